@@ -1,0 +1,123 @@
+"""How an op picks its implementation, and how Mosaic GPU kernels are built,
+interpreted and lowered the same way on every supported JAX version."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Literal, NamedTuple
+
+import jax
+
+Implementation = Literal["xla", "pallas", "interpret"] | None
+IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
+
+# Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.
+_MIN_MOSAIC_COMPUTE_CAPABILITY = 9.0
+
+
+def _default_device_runs_mosaic_gpu() -> bool:
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  capability = getattr(device, "compute_capability", None)
+  try:
+    return float(capability) >= _MIN_MOSAIC_COMPUTE_CAPABILITY
+  except (TypeError, ValueError):
+    return False
+
+
+def resolve_implementation(implementation: Implementation) -> str:
+  """Validates ``implementation`` and turns ``None`` into a concrete choice.
+
+  ``None`` picks the Pallas kernel on a Hopper-or-newer GPU and XLA elsewhere.
+  A named implementation is honoured as is: ``"pallas"`` on a machine that
+  cannot run it fails loudly rather than falling back.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        "implementation must be one of None, 'xla', 'pallas' or 'interpret';"
+        f" got {implementation!r}."
+    )
+  if implementation is None:
+    return "pallas" if _default_device_runs_mosaic_gpu() else "xla"
+  return implementation
+
+
+def gpu_interpreter() -> Any:
+  """Parameters that run a ``plgpu.kernel`` in the Mosaic GPU interpreter.
+
+  Plain ``interpret=True`` cannot bind the grid's axis names; the Mosaic GPU
+  interpreter can, and checks for races. It lives in a private module of JAX,
+  imported here only.
+  """
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError as e:  # pragma: no cover - depends on the JAX version.
+    raise RuntimeError(
+        "implementation='interpret' needs the Mosaic GPU interpreter"
+        " (jax._src.pallas.mosaic_gpu.interpret), which this JAX"
+        f" {jax.__version__} does not provide."
+    ) from e
+  return InterpretGPUParams()
+
+
+def mosaic_gpu_kernel(
+    body: Callable[..., None],
+    *,
+    out_type: Any,
+    grid: tuple[int, ...],
+    grid_names: tuple[str, ...],
+    interpret: bool,
+    scratch_types: Any = (),
+) -> Callable[..., Any]:
+  """``plgpu.kernel``, lowered for Mosaic GPU or run by its interpreter."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch_types,
+      grid=grid,
+      grid_names=grid_names,
+      interpret=gpu_interpreter() if interpret else None,
+  )
+
+
+def cuda_lowering_context() -> contextlib.AbstractContextManager[Any]:
+  """A context in which a CPU-only machine can lower kernels for CUDA.
+
+  From JAX 0.12 lowering for CUDA without a GPU needs an abstract target
+  device; older versions accept the same context, so it is always used.
+  """
+  try:
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+  except ImportError:  # pragma: no cover - depends on the JAX version.
+    return contextlib.nullcontext()
+  h200 = AbstractMesh(
+      (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "gpu")
+  )
+  return use_abstract_mesh(h200)
+
+
+def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
+  """Lowers ``jax.jit(fn)(*args)`` for CUDA and returns the StableHLO text."""
+  with cuda_lowering_context():
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+MOSAIC_GPU_CALL = "mosaic_gpu"
+TRITON_CALL = "triton"
+
+
+class LoweringExample(NamedTuple):
+  """One kernel call that ``check_lowering`` lowers for CUDA.
+
+  Kernel modules list theirs in a ``lowering_examples()`` function; ``fn``
+  must call the kernel with ``implementation="pallas"``.
+  """
+
+  name: str
+  backend: str  # MOSAIC_GPU_CALL or TRITON_CALL: the custom call to expect.
+  fn: Callable[..., Any]
+  args: tuple[Any, ...]
