@@ -16,7 +16,6 @@ import sys
 import jax
 import optax
 
-from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.training import loop, model, optimizers, report
 
 MODEL_SIZES = {
@@ -86,8 +85,7 @@ def run(name: str, args, config: model.TransformerConfig) -> dict:
       seed=args.seed, corpus=args.corpus,
       progress=None if args.quiet else progress_printer(name, args.steps),
   )
-  adamw_bytes = state_nbytes(jax.eval_shape(optax.adamw(1e-3).init, result.params))
-  return report.summary(name, result, adamw_bytes) | {"learning_rate": peak}
+  return report.summary(name, result) | {"learning_rate": peak}
 
 
 def print_result(row: dict) -> None:

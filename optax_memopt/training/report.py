@@ -6,8 +6,11 @@ import json
 import pathlib
 from typing import Sequence
 
+import jax
 import numpy as np
+import optax
 
+from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.training.loop import TrainResult
 
 
@@ -23,7 +26,9 @@ def final_train_loss(result: TrainResult, window: int = 20) -> float:
   return float(np.mean(result.train_losses[-window:]))
 
 
-def summary(name: str, result: TrainResult, adamw_state_bytes: int) -> dict:
+def summary(name: str, result: TrainResult) -> dict:
+  """The figures of one run, with what ``optax.adamw`` would keep for the same parameters."""
+  adamw_state_bytes = state_nbytes(jax.eval_shape(optax.adamw(1e-3).init, result.params))
   return {
       "optimizer": name,
       "final_train_loss": final_train_loss(result),

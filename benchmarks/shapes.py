@@ -1,0 +1,31 @@
+"""The model shapes every benchmark measures, shared so the tables line up."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from optax_memopt.training import model
+
+MODELS = {
+    # The main job's default model.
+    "demo": model.TransformerConfig(),
+    # About 10M parameters: the size the issues' memory targets are stated for.
+    "10M": model.TransformerConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_len=256),
+    # Tens of millions, for step time.
+    "40M": model.TransformerConfig(dim=640, n_layers=8, n_heads=10, n_kv_heads=5, ffn_dim=1792, max_len=256),
+    # Llama-2-7B: only ever built abstractly, with jax.eval_shape.
+    "llama2_7b": model.TransformerConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
+    ),
+}
+
+
+def params(name: str, *, abstract: bool = False, seed: int = 0):
+  """The parameters of ``MODELS[name]`` as a plain dict (``ShapeDtypeStruct`` leaves if abstract)."""
+  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(MODELS[name], rngs=nnx.Rngs(seed)))[1])
+  return jax.eval_shape(build) if abstract else build()
+
+
+def count(tree) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(tree))

@@ -1,0 +1,85 @@
+"""Jitted step time of every optimizer as a ratio to ``optax.adamw``, in one run.
+
+For each model size, every optimizer updates the same parameters with the
+same gradients; the step (update + apply, state and params donated) is timed
+after compilation, the median of ``--repeats`` runs. The compiled step's
+temporary memory (XLA's ``memory_analysis``) shows any transient dense buffer
+an optimizer needs beyond its state. Prints a markdown table and writes
+``results/step_time.json``.
+
+    python -m benchmarks.step_time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks import shapes
+from optax_memopt.training import optimizers
+
+
+def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
+  """Median seconds per jitted step, and the compiled step's temporary bytes."""
+
+  def step(params, state, grads):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = optimizer.init(params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  analysis = compiled.memory_analysis()
+  temp_bytes = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+  for _ in range(2):
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready(params)
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, state = compiled(params, state, grads)
+    jax.block_until_ready((params, state))
+    seconds.append(time.perf_counter() - start)
+  return statistics.median(seconds), temp_bytes
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--models", nargs="+", default=["10M", "40M"], choices=sorted(shapes.MODELS))
+  parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS))
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  args = parser.parse_args(argv)
+  names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
+
+  rows = []
+  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
+  print("| model | params | optimizer | ms/step | ratio to adamw | temp MB |")
+  print("|---|---|---|---|---|---|")
+  for model in args.models:
+    params = shapes.params(model)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    grads = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)])
+    baseline = None
+    for name in names:
+      fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
+      seconds, temp = time_step(optimizers.get(name).build(1e-3), fresh, grads, args.repeats)
+      baseline = baseline or seconds
+      row = {"model": model, "n_params": shapes.count(params), "optimizer": name,
+             "ms_per_step": 1e3 * seconds, "ratio_to_adamw": seconds / baseline, "temp_bytes": temp}
+      rows.append(row)
+      print(f"| {model} | {row['n_params']:,} | {name} | {row['ms_per_step']:.1f} |"
+            f" {row['ratio_to_adamw']:.2f}x | {temp / 2**20:.1f} |", flush=True)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "step_time.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()

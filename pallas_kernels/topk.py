@@ -1,0 +1,347 @@
+"""Block top-k by magnitude: MicroAdam's sparse gradient selection.
+
+A flat array (any input shape, flattened) is cut into blocks of ``block_size``
+consecutive elements; the last, tail block of ``r < block_size`` elements may
+be shorter. Each full block keeps the ``k`` entries of largest ``|x|``, the
+tail block keeps ``k_tail = min(r, max(1, ceil(k * r / block_size)))``.
+
+Order and ties. Entries are ranked by their *magnitude key*: the bits of
+``|x|`` as float32, read as an int32 (``float32(x)`` bits with the sign bit
+cleared). For non-negative floats this integer order is the float order, so
+the key ranks like ``|x|``; ``-0.0`` ties with ``0.0``; NaNs rank above
+infinities (they count as the largest magnitudes, ordered among themselves by
+their bits). Equal keys break toward the lower index, so every implementation
+selects exactly the same set. Narrower floats (bf16, fp16, fp8) are ranked by
+the key of their exact float32 upcast; float64 (only with ``jax_enable_x64``)
+by its float32 rounding, and only the XLA implementation takes it.
+
+Implementations (``implementation=``):
+
+* ``"xla"``: the reference. ``lax.top_k`` on the keys of a
+  ``[n_blocks, block_size]`` view (``lax.top_k`` puts the lower index first
+  among equal keys), then the selected indices sorted ascending; the tail
+  block separately.
+* ``"pallas"``: neither Mosaic GPU nor Triton lowers sort or top-k inside a
+  kernel, so the selection is split in two. A Mosaic GPU kernel (a grid over
+  blocks, each block read as rows of 256) finds each block's threshold ``T``,
+  the k-th largest key, by a 31-step bisection on the key bits, and how many
+  entries equal to ``T`` are taken (``k - #{key > T}``). Compacting the
+  selected entries densely needs a prefix sum, which Mosaic GPU lacks, so it
+  runs in XLA from the per-block thresholds (cumsum + scatter).
+  The kernel supports block sizes that are multiples of ``KERNEL_ROW = 256``
+  (a block is whole rows of 256); any tail is zero padded to whole rows,
+  which never changes its selection. Other block sizes, and float64 input,
+  raise ``ValueError``.
+* ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
+* ``None``: the Pallas kernel on a Hopper-or-newer GPU when it supports the
+  block size and dtype, XLA otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _backend
+
+KERNEL_ROW = 256
+# Block-local indices are stored as int16 up to this block size, int32 above.
+_MAX_INT16_BLOCK_SIZE = 2**15
+# The largest block whose local indices (0 .. block_size - 1) fit in int32.
+_MAX_BLOCK_SIZE = 2**31
+# Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
+_KEY_BITS = 31
+
+
+def _as_int(value, name: str) -> int:
+  if isinstance(value, bool):
+    raise ValueError(f"{name} must be an int; got {value!r}.")
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise ValueError(f"{name} must be an int; got {value!r}.") from None
+
+
+def _check_block_params(k: int, block_size: int) -> tuple[int, int]:
+  """``(k, block_size)`` as Python ints, or a ``ValueError`` naming the culprit."""
+  block_size = _as_int(block_size, "block_size")
+  if not 1 <= block_size <= _MAX_BLOCK_SIZE:
+    raise ValueError(
+        f"block_size must be in [1, {_MAX_BLOCK_SIZE}] (block-local indices"
+        f" must fit in int32); got {block_size}."
+    )
+  k = _as_int(k, "k")
+  if not 1 <= k <= block_size:
+    raise ValueError(f"k must be in [1, block_size={block_size}]; got {k}.")
+  return k, block_size
+
+
+def _tail_k(tail: int, *, k: int, block_size: int) -> int:
+  """Entries kept from a tail block of ``tail`` elements (0 if there is none)."""
+  if tail == 0:
+    return 0
+  return min(tail, max(1, -(-k * tail // block_size)))
+
+
+def selection_size(size: int, *, k: int, block_size: int) -> int:
+  """Number of entries ``block_topk`` keeps from ``size`` elements.
+
+  .. math::
+    n = \\lfloor d / D \\rfloor k + \\min(r, \\max(1, \\lceil k r / D \\rceil)),
+    \\qquad r = d \\bmod D
+
+  with ``d = size``, ``D = block_size``; the tail term is 0 when ``r = 0``.
+
+  Args:
+    size: number of elements of the flattened input, ``>= 0``.
+    k: entries kept per full block, in ``[1, block_size]``.
+    block_size: elements per block, in ``[1, 2**31]``.
+
+  Returns:
+    The length of the ``indices`` and ``values`` that ``block_topk`` returns.
+
+  Examples:
+    >>> from pallas_kernels.topk import selection_size
+    >>> selection_size(10, k=2, block_size=4)  # two blocks of 4, a tail of 2
+    5
+  """
+  k, block_size = _check_block_params(k, block_size)
+  size = _as_int(size, "size")
+  if size < 0:
+    raise ValueError(f"size must be a non-negative int; got {size}.")
+  full_blocks, tail = divmod(size, block_size)
+  return full_blocks * k + _tail_k(tail, k=k, block_size=block_size)
+
+
+def magnitude_key(x: jax.Array) -> jax.Array:
+  """The int32 key that ranks entries: the bits of ``|float32(x)|``.
+
+  Shared by the kernel body and the XLA code. The sign bit is masked in
+  uint32 (Mosaic GPU only does bit operations on 32-bit unsigned integers);
+  the result is below ``2**31``, so the cast to int32 is exact.
+  """
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return (bits & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
+
+
+def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
+  """Per block ``b`` of ``x_ref[n_blocks, rows, 256]``: its k-th largest key and ties.
+
+  Bisection from the top bit down keeps the largest ``T`` with
+  ``#{key >= T} >= k``, which is the k-th largest key; ``ties = k - #{key > T}``
+  entries equal to ``T`` complete the selection. Every count is a loop over
+  the block's rows with a full reduction of each 256-vector.
+  """
+  block = lax.axis_index("blocks")
+
+  def count(predicate):
+    def add_row(row, total):
+      keys = magnitude_key(x_ref[block, row])
+      return total + jnp.sum(predicate(keys).astype(jnp.int32))
+
+    return lax.fori_loop(0, rows, add_row, jnp.int32(0))
+
+  def bisect(step, threshold):
+    bit = lax.shift_left(jnp.uint32(1), (_KEY_BITS - 1 - step).astype(jnp.uint32))
+    candidate = threshold + bit.astype(jnp.int32)
+    enough = count(lambda keys: keys >= candidate) >= k
+    return jnp.where(enough, candidate, threshold)
+
+  threshold = lax.fori_loop(0, _KEY_BITS, bisect, jnp.int32(0))
+  threshold_ref[block] = threshold
+  ties_ref[block] = k - count(lambda keys: keys > threshold)
+
+
+def _kernel_thresholds(
+    blocks: jax.Array, k: int, *, interpret: bool
+) -> tuple[jax.Array, jax.Array]:
+  """Runs ``_threshold_kernel`` on ``blocks[n_blocks, width]``, width a multiple of 256."""
+  n_blocks, width = blocks.shape
+  rows = width // KERNEL_ROW
+  per_block = jax.ShapeDtypeStruct((n_blocks,), jnp.int32)
+  kernel = _backend.mosaic_gpu_kernel(
+      functools.partial(_threshold_kernel, k=k, rows=rows),
+      out_type=(per_block, per_block),
+      grid=(n_blocks,),
+      grid_names=("blocks",),
+      interpret=interpret,
+  )
+  return kernel(blocks.reshape(n_blocks, rows, KERNEL_ROW))
+
+
+def _compact(
+    keys: jax.Array, threshold: jax.Array, ties: jax.Array, k: int
+) -> jax.Array:
+  """Ascending block-local indices of each block's selection, from its threshold.
+
+  Takes every key above ``threshold`` and the first ``ties`` keys equal to it
+  in index order, and writes their indices densely: a prefix sum gives each
+  chosen entry its slot. Runs in XLA because Mosaic GPU has no prefix sum.
+  """
+  n_blocks, width = keys.shape
+  above = keys > threshold[:, None]
+  at_threshold = keys == threshold[:, None]
+  tie_rank = jnp.cumsum(at_threshold, axis=1, dtype=jnp.int32)
+  chosen = above | (at_threshold & (tie_rank <= ties[:, None]))
+  slot = jnp.cumsum(chosen, axis=1, dtype=jnp.int32) - 1
+  # Unchosen entries aim past the last slot and are dropped by the scatter.
+  slot = jnp.where(chosen, slot, k)
+  block = jnp.arange(n_blocks, dtype=jnp.int32)[:, None]
+  position = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), keys.shape)
+  return (
+      jnp.zeros((n_blocks, k), jnp.int32)
+      .at[block, slot]
+      .set(position, mode="drop")
+  )
+
+
+def _select_xla(blocks: jax.Array, k: int) -> jax.Array:
+  _, indices = lax.top_k(magnitude_key(blocks), k)
+  return jnp.sort(indices, axis=1)
+
+
+def _select_pallas(blocks: jax.Array, k: int, *, interpret: bool) -> jax.Array:
+  # A tail that is not whole rows is zero padded: the padding has the smallest
+  # key and the highest indices, so with k <= width it is never selected.
+  width = blocks.shape[1]
+  padded = jnp.pad(blocks, ((0, 0), (0, -width % KERNEL_ROW)))
+  threshold, ties = _kernel_thresholds(padded, k, interpret=interpret)
+  return _compact(magnitude_key(blocks), threshold, ties, k)
+
+
+def _select(blocks: jax.Array, k: int, implementation: str) -> jax.Array:
+  """Ascending int32 indices ``[n_blocks, k]`` of each row's top-k by key."""
+  if implementation == "xla":
+    return _select_xla(blocks, k)
+  return _select_pallas(blocks, k, interpret=implementation == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_size", "implementation"))
+def _block_topk(
+    x: jax.Array, *, k: int, block_size: int, implementation: str
+) -> tuple[jax.Array, jax.Array]:
+  flat = x.reshape(-1)
+  full_blocks, tail = divmod(flat.size, block_size)
+  parts = []
+  if full_blocks:
+    parts.append((flat[: full_blocks * block_size].reshape(full_blocks, block_size), k))
+  if tail:
+    tail_k = _tail_k(tail, k=k, block_size=block_size)
+    parts.append((flat[full_blocks * block_size :].reshape(1, tail), tail_k))
+  index_dtype = jnp.int16 if block_size <= _MAX_INT16_BLOCK_SIZE else jnp.int32
+  if not parts:
+    return jnp.zeros((0,), index_dtype), jnp.zeros((0,), x.dtype)
+  indices, values = [], []
+  for blocks, keep in parts:
+    selected = _select(blocks, keep, implementation)
+    indices.append(selected.astype(index_dtype).reshape(-1))
+    values.append(jnp.take_along_axis(blocks, selected, axis=1).reshape(-1))
+  return jnp.concatenate(indices), jnp.concatenate(values)
+
+
+def _kernel_unsupported_reason(x: jax.Array, block_size: int) -> str | None:
+  if block_size % KERNEL_ROW:
+    return (
+        f"block_size must be a multiple of {KERNEL_ROW} for the Pallas kernel"
+        f" (a block is whole rows of {KERNEL_ROW}); got {block_size}."
+        " Use implementation='xla' for other block sizes."
+    )
+  if jnp.dtype(x.dtype).itemsize > 4:
+    return (
+        "x must be a float type of at most 32 bits for the Pallas kernel; got"
+        f" {x.dtype}. Use implementation='xla'."
+    )
+  return None
+
+
+def block_topk(
+    x: jax.Array,
+    *,
+    k: int,
+    block_size: int,
+    implementation: _backend.Implementation = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The ``k`` entries of largest magnitude in every block of ``block_size``.
+
+  With ``x`` flattened to ``d`` elements and cut into blocks of ``D``, full
+  block ``b`` keeps
+
+  .. math::
+    S_b = \\operatorname{top\\text{-}k}_{i \\in [0, D)} |x_{bD + i}|,
+
+  ties toward the lower ``i``; a tail block of ``r = d mod D`` elements keeps
+  ``min(r, max(1, ceil(k r / D)))``. Magnitudes are ranked as float32 with
+  NaNs above infinities (see the module docstring).
+
+  Args:
+    x: a float array of any shape; it is flattened.
+    k: entries kept per full block, in ``[1, block_size]``.
+    block_size: elements per block, in ``[1, 2**31]``; the Pallas kernel
+      needs a multiple of 256.
+    implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
+      ``"interpret"``. ``None`` picks the Pallas kernel on a Hopper-or-newer
+      GPU when it supports ``block_size`` and ``x.dtype``, XLA otherwise;
+      ``"pallas"`` and ``"interpret"`` raise for what the kernel cannot do.
+
+  Returns:
+    ``(indices, values)``, both of shape ``(selection_size(x.size, k=k,
+    block_size=block_size),)``, block-major and within a block by ascending
+    index. ``indices`` are block-local (``0 <= i < D``), int16 when
+    ``block_size <= 32768`` and int32 above; ``values = x[b * D + i]`` keep
+    ``x.dtype`` and their sign.
+
+  Raises:
+    ValueError: for ``k`` or ``block_size`` out of range, non-float ``x``, an
+      unknown ``implementation``, or a Pallas implementation asked for a block
+      size or dtype the kernel does not support.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.topk import block_topk
+    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
+    >>> indices, values = block_topk(x, k=2, block_size=4)
+    >>> indices
+    Array([1, 3, 1, 3, 0], dtype=int16)
+    >>> values
+    Array([-3.,  2.,  4., -1.,  7.], dtype=float32)
+
+  References:
+    Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
+    Overhead and Provable Convergence", NeurIPS 2024,
+    https://arxiv.org/abs/2405.15593
+  """
+  k, block_size = _check_block_params(k, block_size)
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
+  resolved = _backend.resolve_implementation(implementation)
+  unsupported = _kernel_unsupported_reason(x, block_size)
+  if resolved != "xla" and unsupported is not None:
+    if implementation is not None:
+      raise ValueError(unsupported)
+    resolved = "xla"
+  return _block_topk(x, k=k, block_size=block_size, implementation=resolved)
+
+
+def lowering_examples() -> list[_backend.LoweringExample]:
+  """The threshold kernel at MicroAdam's block sizes, with k = 1% and a tail."""
+  examples = []
+  for block_size, dtype in ((16384, jnp.float32), (28672, jnp.bfloat16)):
+    k = -(-block_size // 100)
+    size = 4 * block_size + 1000  # four full blocks and a padded tail block
+    fn = functools.partial(
+        block_topk, k=k, block_size=block_size, implementation="pallas"
+    )
+    examples.append(
+        _backend.LoweringExample(
+            name=f"block_topk_threshold_{block_size}_{jnp.dtype(dtype).name}",
+            backend=_backend.MOSAIC_GPU_CALL,
+            fn=fn,
+            args=(jax.ShapeDtypeStruct((size,), dtype),),
+        )
+    )
+  return examples
