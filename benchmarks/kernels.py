@@ -1,0 +1,163 @@
+"""Every Pallas kernel against its XLA implementation: same answer, and how fast.
+
+On a GPU this is the readiness check: each op runs with
+``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
+sizes (tens of millions of elements), the outputs are compared (integer
+outputs exactly, floats within rounding), and both are timed. The table gives
+achieved bandwidth (bytes the op must read and write, over time) next to the
+device's HBM peak. On a CPU, ``--implementations xla interpret`` with a small
+``--size`` checks the same thing slowly; timings there mean nothing.
+
+    python -m benchmarks.kernels --size 33554432
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import quantize, ternary, topk
+
+# HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
+HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
+
+TOPK_BLOCK, TOPK_DENSITY = 16384, 0.01
+BUCKET = 1024
+TERNARY_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+  name: str
+  make_inputs: Callable[[jax.Array, int], tuple[Any, ...]]
+  run: Callable[..., Any]  # run(*inputs, implementation=...)
+  bytes_moved: Callable[[int], int]  # what one call must read and write
+
+
+def _normal(key, size, dtype=jnp.float32):
+  return (jax.random.normal(key, (size,), jnp.float32) * 0.01).astype(dtype)
+
+
+def _cases() -> list[KernelCase]:
+  k = int(np.ceil(TOPK_BLOCK * TOPK_DENSITY))
+  cases = [
+      KernelCase(
+          "block_topk f32",
+          lambda key, n: (_normal(key, n),),
+          lambda x, implementation: topk.block_topk(x, k=k, block_size=TOPK_BLOCK, implementation=implementation),
+          lambda n: 4 * n + 6 * (n // TOPK_BLOCK) * k,
+      ),
+  ]
+  for bits in quantize.SUPPORTED_BITS:
+    cases += [
+        KernelCase(
+            f"quantize {bits}-bit",
+            lambda key, n: (_normal(key, n),),
+            lambda x, implementation, bits=bits: quantize.quantize(
+                x, bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation=implementation),
+            lambda n, bits=bits: 4 * n + n * bits // 8,
+        ),
+        KernelCase(
+            f"dequantize_add {bits}-bit",
+            lambda key, n, bits=bits: (quantize.quantize(_normal(key, n), bits=bits, bucket_size=BUCKET,
+                                                         stats_dtype=jnp.bfloat16, implementation="xla"),
+                                       _normal(jax.random.fold_in(key, 1), n)),
+            lambda q, y, implementation, bits=bits: quantize.dequantize_add(
+                q, y, bits=bits, bucket_size=BUCKET, implementation=implementation),
+            lambda n, bits=bits: 8 * n + n * bits // 8,
+        ),
+    ]
+  for packing in ternary.PACKINGS:
+    per_byte = 5 if packing == "base3" else 4
+    cases += [
+        KernelCase(
+            f"ternary_encode {packing} stochastic",
+            lambda key, n: (_normal(key, n), jax.random.fold_in(key, 7)),
+            lambda x, key, implementation, packing=packing: ternary.ternary_encode(
+                x, block_size=TERNARY_BLOCK, key=key, packing=packing, implementation=implementation),
+            lambda n, per_byte=per_byte: 4 * n + n // per_byte,
+        ),
+        KernelCase(
+            f"ternary_decode {packing}",
+            lambda key, n, packing=packing: (ternary.ternary_encode(
+                _normal(key, n), block_size=TERNARY_BLOCK, packing=packing, implementation="xla"),),
+            lambda t, implementation, packing=packing: ternary.ternary_decode(
+                t, size=t.packed.size * (5 if packing == "base3" else 4), block_size=TERNARY_BLOCK,
+                packing=packing, implementation=implementation),
+            lambda n, per_byte=per_byte: 4 * n + n // per_byte,
+        ),
+    ]
+  return cases
+
+
+def _time(fn, inputs, repeats: int) -> float:
+  jax.block_until_ready(fn(*inputs))
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*inputs))
+    seconds.append(time.perf_counter() - start)
+  return statistics.median(seconds)
+
+
+def _agree(a, b) -> str:
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return f"shape/dtype {x.shape}{x.dtype} vs {y.shape}{y.dtype}"
+    if np.issubdtype(x.dtype, np.integer) or x.dtype == bool:
+      if not np.array_equal(x, y):
+        return f"{np.count_nonzero(x != y)} integer mismatches"
+    elif not np.allclose(x.astype(np.float32), y.astype(np.float32), rtol=1e-5, atol=1e-6):
+      return f"max abs diff {np.max(np.abs(x.astype(np.float32) - y.astype(np.float32))):.3g}"
+  return "equal"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--size", type=int, default=32 * 2**20, help="elements per input")
+  parser.add_argument("--implementations", nargs=2, default=["xla", "pallas"], metavar=("REFERENCE", "KERNEL"))
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  args = parser.parse_args(argv)
+  reference, kernel = args.implementations
+  device = jax.devices()[0].device_kind
+  peak = HBM_PEAK.get(device)
+  print(f"JAX {jax.__version__} on {device}; {args.size:,} elements per input;"
+        f" HBM peak {peak / 1e9:,.0f} GB/s" if peak else f"JAX {jax.__version__} on {device}; {args.size:,} elements")
+  print(f"| op | {kernel} vs {reference} | {reference} ms | {kernel} ms | {reference} GB/s | {kernel} GB/s | {kernel} % of peak |")
+  print("|---|---|---|---|---|---|---|")
+  rows, failures = [], 0
+  for case in _cases():
+    inputs = case.make_inputs(jax.random.key(0), args.size)
+    fns = {impl: jax.jit(lambda *a, impl=impl, case=case: case.run(*a, implementation=impl)) for impl in (reference, kernel)}
+    try:
+      agreement = _agree(fns[kernel](*inputs), fns[reference](*inputs))
+      times = {impl: _time(fn, inputs, args.repeats) for impl, fn in fns.items()}
+    except Exception as e:  # One row per op, whatever happens.
+      agreement, times = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}", {}
+    failures += agreement != "equal"
+    moved = case.bytes_moved(args.size)
+    gbps = {impl: moved / t / 1e9 for impl, t in times.items()}
+    row = {"op": case.name, "agreement": agreement, "ms": {i: 1e3 * t for i, t in times.items()}, "GB/s": gbps}
+    rows.append(row)
+    cell = lambda d, i, f: format(d[i], f) if i in d else "-"
+    pct = f"{100 * gbps[kernel] * 1e9 / peak:.0f}%" if peak and kernel in gbps else "-"
+    print(f"| {case.name} | {agreement} | {cell(row['ms'], reference, '.3f')} | {cell(row['ms'], kernel, '.3f')} |"
+          f" {cell(gbps, reference, '.0f')} | {cell(gbps, kernel, '.0f')} | {pct} |", flush=True)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "kernels.json").write_text(json.dumps({"device": device, "size": args.size, "rows": rows}, indent=1))
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
