@@ -1,0 +1,329 @@
+"""Adam-mini's block partition: the rule every leaf of real Flax models gets.
+
+Covers a Llama-style nnx model with grouped-query attention (plain and with
+layers stacked by ``nnx.vmap``/``nnx.scan``), a linen model scanned by
+``nn.scan`` with ``DenseGeneral`` attention, the PyTorch-name rules where the
+reference crashes, overrides, and the errors that name a parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import optax_memopt
+from optax_memopt import BlockRule
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab: int = 50
+  dim: int = 32
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  ffn: int = 48
+  n_layers: int = 2
+
+  @property
+  def head_dim(self):
+    return self.dim // self.n_heads
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    kv_dim = config.n_kv_heads * config.head_dim
+    self.q_proj = nnx.Linear(config.dim, config.dim, use_bias=False, rngs=rngs)
+    self.k_proj = nnx.Linear(config.dim, kv_dim, use_bias=False, rngs=rngs)
+    self.v_proj = nnx.Linear(config.dim, kv_dim, use_bias=False, rngs=rngs)
+    self.o_proj = nnx.Linear(config.dim, config.dim, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    c = self.config
+    batch, length, _ = x.shape
+    q = self.q_proj(x).reshape(batch, length, c.n_heads, c.head_dim)
+    k = self.k_proj(x).reshape(batch, length, c.n_kv_heads, c.head_dim)
+    v = self.v_proj(x).reshape(batch, length, c.n_kv_heads, c.head_dim)
+    repeat = c.n_heads // c.n_kv_heads
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    out = nnx.dot_product_attention(q, k, v, mask=causal)
+    return self.o_proj(out.reshape(batch, length, c.dim))
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.gate_proj = nnx.Linear(config.dim, config.ffn, use_bias=False, rngs=rngs)
+    self.up_proj = nnx.Linear(config.dim, config.ffn, use_bias=False, rngs=rngs)
+    self.down_proj = nnx.Linear(config.ffn, config.dim, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.attention_norm = nnx.RMSNorm(config.dim, rngs=rngs)
+    self.attention = Attention(config, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(config.dim, rngs=rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attention(self.attention_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+  """A tiny Llama; ``scan=True`` stacks the blocks on a leading layer axis."""
+
+  def __init__(self, config: LlamaConfig, *, scan: bool, rngs: nnx.Rngs):
+    self.scan = scan
+    self.embed = nnx.Embed(config.vocab, config.dim, rngs=rngs)
+    if scan:
+
+      @nnx.split_rngs(splits=config.n_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def stacked_blocks(rngs):
+        return Block(config, rngs=rngs)
+
+      self.layers = stacked_blocks(rngs)
+    else:
+      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+    self.final_norm = nnx.RMSNorm(config.dim, rngs=rngs)
+    self.lm_head = nnx.Linear(config.dim, config.vocab, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    if self.scan:
+
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(x, block):
+        return block(x)
+
+      x = run(x, self.layers)
+    else:
+      for block in self.layers:
+        x = block(x)
+    return self.lm_head(self.final_norm(x))
+
+
+def expected_llama_rows(c: LlamaConfig, scan: bool):
+  """(shape, rule, blocks) per path, from the config alone."""
+  kv_dim = c.n_kv_heads * c.head_dim
+  layer = {
+      "attention/q_proj/kernel": ((c.dim, c.dim), "per head", c.n_heads),
+      "attention/k_proj/kernel": ((c.dim, kv_dim), "per head", c.n_kv_heads),
+      "attention/v_proj/kernel": ((c.dim, kv_dim), "per output neuron", kv_dim),
+      "attention/o_proj/kernel": ((c.dim, c.dim), "per output neuron", c.dim),
+      "attention_norm/scale": ((c.dim,), "whole tensor", 1),
+      "mlp/gate_proj/kernel": ((c.dim, c.ffn), "per output neuron", c.ffn),
+      "mlp/up_proj/kernel": ((c.dim, c.ffn), "per output neuron", c.ffn),
+      "mlp/down_proj/kernel": ((c.ffn, c.dim), "per output neuron", c.dim),
+      "mlp_norm/scale": ((c.dim,), "whole tensor", 1),
+  }
+  rows = {
+      "embed/embedding": ((c.vocab, c.dim), "per token", c.vocab),
+      "final_norm/scale": ((c.dim,), "whole tensor", 1),
+      "lm_head/kernel": ((c.dim, c.vocab), "per output neuron", c.vocab),
+  }
+  for path, (shape, rule, blocks) in layer.items():
+    if scan:
+      rows[f"layers/{path}"] = (
+          (c.n_layers, *shape), f"{rule}, per layer", c.n_layers * blocks
+      )
+    else:
+      for i in range(c.n_layers):
+        rows[f"layers/{i}/{path}"] = (shape, rule, blocks)
+  return rows
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
+def test_nnx_llama_gqa_partition_table(scan):
+  config = LlamaConfig()
+  model = Llama(config, scan=scan, rngs=nnx.Rngs(0))
+  kwargs = dict(
+      n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+      stacked_modules="layers" if scan else (),
+  )
+  partition = optax_memopt.adam_mini_partition(nnx.state(model, nnx.Param), **kwargs)
+  expected = expected_llama_rows(config, scan)
+  assert {row.path: (row.shape, row.rule, row.blocks) for row in partition.rows} == expected
+
+  lines = str(partition).splitlines()
+  assert lines[0].split() == ["path", "shape", "rule", "blocks"]
+  for row, line in zip(partition.rows, lines[2:-1]):
+    assert line.startswith(row.path + " ")
+    assert f"  {row.shape}  " in line and f"  {row.rule}  " in line
+    assert line.endswith(f"  {row.blocks:,}")
+  n_params = sum(int(np.prod(shape)) for shape, _, _ in expected.values())
+  n_blocks = sum(blocks for _, _, blocks in expected.values())
+  assert lines[-1].startswith(
+      f"{len(expected)} tensors, {n_params:,} parameters, {n_blocks:,} blocks"
+  )
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
+def test_nnx_llama_trains_with_state_in_block_shapes(scan):
+  config = LlamaConfig()
+  model = Llama(config, scan=scan, rngs=nnx.Rngs(0))
+  kwargs = dict(
+      n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+      stacked_modules="layers" if scan else (),
+  )
+  optimizer = nnx.Optimizer(
+      model, optax_memopt.adam_mini(3e-3, weight_decay=0.1, **kwargs), wrt=nnx.Param
+  )
+  partition = optax_memopt.adam_mini_partition(nnx.state(model, nnx.Param), **kwargs)
+  nu_shapes = [v.shape for v in jax.tree.leaves(optimizer.opt_state[0].nu)]
+  assert nu_shapes == [row.block_shape for row in partition.rows]
+
+  tokens = jax.random.randint(jax.random.key(0), (4, 12), 0, config.vocab)
+
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(8)]
+  # Memorising one small batch: any working optimizer lowers the loss.
+  assert losses[-1] < losses[0] - 0.1, losses
+
+
+class LinenBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, _):
+    attention = nn.MultiHeadDotProductAttention(num_heads=4, name="attention")
+    x = x + attention(nn.RMSNorm(name="attention_norm")(x))
+    return x + nn.Dense(32, name="mlp")(x), None
+
+
+class LinenModel(nn.Module):
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(50, 32, name="embed")(tokens)
+    layers = nn.scan(
+        LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+    )
+    x, _ = layers(name="layers")(x, None)
+    return nn.Dense(50, name="lm_head")(x)
+
+
+def test_linen_scanned_dense_general_attention_partition():
+  params = jax.eval_shape(
+      LinenModel().init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+  )
+  partition = optax_memopt.adam_mini_partition(params, n_heads=4, stacked_modules="layers")
+  rows = {row.path: (row.shape, row.rule, row.block_shape) for row in partition.rows}
+  layers = "params/layers/"
+  assert rows == {
+      "params/embed/embedding": ((50, 32), "per token", (50, 1)),
+      "params/lm_head/bias": ((50,), "per element", (50,)),
+      "params/lm_head/kernel": ((32, 50), "per output neuron", (1, 50)),
+      # (layers, in, heads, head_dim): one block per layer and head.
+      layers + "attention/query/kernel": ((3, 32, 4, 8), "per head, per layer", (3, 1, 4, 1)),
+      layers + "attention/key/kernel": ((3, 32, 4, 8), "per head, per layer", (3, 1, 4, 1)),
+      layers + "attention/value/kernel": (
+          (3, 32, 4, 8), "per output neuron, per layer", (3, 1, 4, 8)),
+      # (layers, heads, head_dim, out): one block per layer and output neuron.
+      layers + "attention/out/kernel": (
+          (3, 4, 8, 32), "per output neuron, per layer", (3, 1, 1, 32)),
+      layers + "attention/query/bias": ((3, 4, 8), "per element", (3, 4, 8)),
+      layers + "attention/key/bias": ((3, 4, 8), "per element", (3, 4, 8)),
+      layers + "attention/value/bias": ((3, 4, 8), "per element", (3, 4, 8)),
+      layers + "attention/out/bias": ((3, 32), "per element", (3, 32)),
+      layers + "attention_norm/scale": ((3, 32), "whole tensor, per layer", (3, 1)),
+      layers + "mlp/kernel": ((3, 32, 32), "per output neuron, per layer", (3, 1, 32)),
+      layers + "mlp/bias": ((3, 32), "per element", (3, 32)),
+  }
+
+
+def test_torch_rules_give_blocks_where_the_reference_crashes():
+  params = {
+      # A 1-D tensor under a per-neuron name (reference: IndexError).
+      "model.layers.0.mlp.scale": jnp.ones(8),
+      # A conv weight (out, in, width) under a per-neuron name.
+      "model.layers.0.feed_forward.conv.weight": jnp.ones((6, 4, 3)),
+      # Fused query/key/value rows: 4 query + 2 key + 2 value heads of 2 rows.
+      "model.layers.0.attention.query_key_value.weight": jnp.ones((16, 8)),
+      "model.layers.0.self_attn.k_proj.weight": jnp.ones((4, 8)),
+      "model.final_layernorm.weight": jnp.ones(8),
+  }
+  partition = optax_memopt.adam_mini_partition(params, "torch", n_heads=4, n_kv_heads=2)
+  rows = {row.path: (row.rule, row.block_shape) for row in partition.rows}
+  assert rows == {
+      "model.layers.0.mlp.scale": ("whole tensor", (1,)),
+      "model.layers.0.feed_forward.conv.weight": ("per output neuron", (6, 1, 1)),
+      "model.layers.0.attention.query_key_value.weight": ("per head", (8, 1)),
+      "model.layers.0.self_attn.k_proj.weight": ("per head", (2, 1)),
+      # Holds the reference's output name "final_layer": 1-D, so one block.
+      "model.final_layernorm.weight": ("whole tensor", (1,)),
+  }
+  optimizer = optax_memopt.adam_mini(1e-2, rules="torch", n_heads=4, n_kv_heads=2)
+  updates, _ = jax.jit(optimizer.update)(params, optimizer.init(params), params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_stacked_norm_scale_gets_one_block_per_layer():
+  params = {"layers": {"norm": {"scale": jnp.ones((3, 4))}}}
+  (row,) = optax_memopt.adam_mini_partition(params, stacked_modules="layers").rows
+  assert (row.rule, row.block_shape) == ("whole tensor, per layer", (3, 1))
+
+
+def test_rule_functions_override_and_fall_through():
+  params = {"encoder": {"proj": {"kernel": jnp.ones((6, 4))}},
+            "decoder": {"proj": {"kernel": jnp.ones((6, 4))}}}
+
+  def whole_encoder(path, leaf):
+    del leaf
+    return "tensor" if path.startswith("encoder/") else None
+
+  partition = optax_memopt.adam_mini_partition(params, (whole_encoder, "flax"))
+  rows = {row.path: (row.rule, row.blocks) for row in partition.rows}
+  assert rows == {
+      "encoder/proj/kernel": ("whole tensor", 1),
+      "decoder/proj/kernel": ("per output neuron", 4),
+  }
+
+
+@pytest.mark.parametrize(
+    "params, kwargs, message",
+    [
+        # A rule returning an unknown name.
+        ({"w": jnp.ones(3)}, dict(rules=lambda path, leaf: "per_row"), "unknown rule name 'per_row'"),
+        # Nothing matched and no rule set to fall back on.
+        ({"w": jnp.ones(3)}, dict(rules=lambda path, leaf: None), "no entry of `rules` matched"),
+        # A rule whose axis the leaf lacks.
+        ({"w": jnp.ones(3)}, dict(rules=lambda path, leaf: BlockRule("x", keep=(1,))), "'w' has shape"),
+        # Heads that do not divide the rows (reference: a reshape error mid-step).
+        ({"model.q_proj.weight": jnp.ones((30, 8))}, dict(rules="torch", n_heads=4),
+         "'model.q_proj.weight'.*does not divide 30"),
+        ({"model.q_proj.weight": jnp.ones((32, 8))}, dict(rules="torch"),
+         "'model.q_proj.weight'.*pass n_heads"),
+        # A scanned query kernel without stacked_modules looks like (in, heads, head_dim).
+        ({"layers": {"query": {"kernel": jnp.ones((2, 16, 16))}}}, dict(n_heads=4),
+         "'layers/query/kernel'.*stacked_modules"),
+        ({"layers": {"w": jnp.ones(())}}, dict(stacked_modules="layers"), "fewer axes"),
+    ],
+)
+def test_partition_errors_name_the_parameter(params, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    optax_memopt.adam_mini_partition(params, **kwargs)
+  with pytest.raises(ValueError, match=message):
+    optax_memopt.scale_by_adam_mini(**kwargs).init(params)
