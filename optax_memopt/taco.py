@@ -1,0 +1,502 @@
+"""TACO: Ternary Absolute-max Column-wise One-sparse Optimizer.
+
+Jiang, McGee, Bergou, Cai, Dutta, "TACO: Ternary Absolute-max Column-wise
+One-sparse Optimizer for LLM Fine-Tuning", 2026,
+https://arxiv.org/abs/2610.02199.
+
+Steepest descent, as Muon, but under the dimension-normalized 1->1 operator
+norm of each weight matrix. For a torch-layout ``W`` of shape
+``(m_out, n_in)`` that norm is ``(n_in / m_out) * max_j ||W[:, j]||_1`` and
+the steepest-descent direction has one non-zero per column: the sign of the
+column's largest gradient entry, scaled by ``m_out / n_in``. The practical
+variant keeps a few low-precision momentum entries per column ("heavy
+hitters") instead of a momentum matrix, so the state is a small fraction of a
+byte per parameter.
+
+Only the abstract is public; every choice below it leaves open is ours:
+
+* Layout. Flax kernels are ``(in, out)``: the torch column of input feature
+  ``i`` is the kernel's row ``i``, and the selection runs along the output
+  axis of each row. A parameter of shape ``(*batch, *inputs, *outputs)`` is
+  a batch of independent ``(prod(inputs), prod(outputs))`` matrices, as told
+  by :class:`MatrixAxes`; the default (no batch axis, one input axis) reads
+  ``Dense`` kernels ``(in, out)`` and ``DenseGeneral`` kernels
+  ``(in, heads, head_dim)`` as ``(in, heads * head_dim)``. Stacked layers
+  (``nn.scan``, ``nnx.vmap``) take ``batch_dims=1``; an attention output
+  kernel ``(heads, head_dim, out)`` takes ``input_dims=2``.
+* Ties go to the lower output index (``pallas_kernels.column_select``).
+* Merge rule. Per row, untracked entries have momentum zero, so the candidate
+  momentum is ``u = beta * u_tracked + (1 - beta) * g`` on tracked entries
+  and ``(1 - beta) * g`` elsewhere. The ``k`` entries of largest ``|u|`` over
+  the whole row are kept (this is the tracked entries merged with the row's
+  top entries of ``|g|``: no other entry can enter), and the step is on the
+  largest. An evicted entry's momentum is dropped; a newcomer starts at
+  ``(1 - beta) * g``, without bias correction.
+* Storage. Momenta are float8 e4m3 codes with one bfloat16 scale per row, the
+  smallest power of two at or above ``max|u| / 448`` (448 is e4m3's largest
+  value): dividing by a power of two is exact, so codes round only once and
+  values that e4m3 represents survive unchanged. Indices are int16 (int32
+  for more than 32768 outputs).
+* Defaults ``k = 16``, ``beta = 0.9``: sixteen slots cost
+  ``16 * 3 + 2 = 50`` bytes per row, under 0.05 bytes per parameter from
+  1024 outputs on (0.012 at 4096, the paper's ~0.01 regime); ``beta`` is
+  Adam's and Lion's usual first-moment decay. ``k = 0`` is the paper's
+  stateless method (``beta`` is then unused).
+
+Parameters TACO does not cover (vectors, scalars and, by default,
+embeddings) go to a fallback transformation: :func:`taco` routes with
+``optax.partition`` and :func:`taco_labels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import operator
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pallas_kernels import _backend
+from pallas_kernels.column_select import column_select
+
+TACO_LABEL = "taco"
+FALLBACK_LABEL = "fallback"
+# Lowercase substrings of a parameter's path that mark an embedding table.
+DEFAULT_EMBEDDING_NAMES = ("embed", "wte", "wpe")
+_CODE_DTYPE = jnp.float8_e4m3fn
+_CODE_MAX = float(jnp.finfo(_CODE_DTYPE).max)
+_SCALE_DTYPE = jnp.bfloat16
+# Scales stay normal bfloat16 numbers: a subnormal one could flush to zero.
+_MIN_SCALE_EXPONENT = int(jnp.finfo(_SCALE_DTYPE).minexp)
+_MAX_INT16_OUTPUTS = 2**15
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixAxes:
+  """How a parameter of shape ``(*batch, *inputs, *outputs)`` is read as matrices.
+
+  The leading ``batch_dims`` axes index independent matrices, the next
+  ``input_dims`` axes fold into the input axis (the torch columns, one step
+  each), all remaining axes fold into the output axis (searched for the
+  largest entry).
+
+  Attributes:
+    batch_dims: leading axes of independent matrices, ``>= 0`` (1 for layers
+      stacked by ``nn.scan``).
+    input_dims: axes after them that form the input, ``>= 1`` (2 for an
+      attention output kernel ``(heads, head_dim, out)``).
+
+  Examples:
+    >>> from optax_memopt.taco import MatrixAxes
+    >>> MatrixAxes().matrix_shape((64, 4, 16))  # DenseGeneral (in, heads, head_dim)
+    ((), 64, 64)
+    >>> MatrixAxes(batch_dims=1).matrix_shape((2, 64, 256))  # two stacked layers
+    ((2,), 64, 256)
+  """
+
+  batch_dims: int = 0
+  input_dims: int = 1
+
+  def __post_init__(self):
+    for name, least in (("batch_dims", 0), ("input_dims", 1)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"MatrixAxes.{name} must be an int >= {least}; got {value!r}.")
+
+  def matrix_shape(self, shape: Sequence[int]) -> tuple[tuple[int, ...], int, int] | None:
+    """``(batch_shape, n_in, n_out)``, or ``None`` when ``shape`` has no output axis left."""
+    split = self.batch_dims + self.input_dims
+    if len(shape) <= split:
+      return None
+    return (
+        tuple(shape[: self.batch_dims]),
+        math.prod(shape[self.batch_dims : split]),
+        math.prod(shape[split:]),
+    )
+
+
+# One ``MatrixAxes`` for every parameter, or a function of (path, parameter).
+MatrixAxesSpec = MatrixAxes | Callable[[jax.tree_util.KeyPath, Any], MatrixAxes]
+
+
+def _axes_for(matrix_axes: MatrixAxesSpec, path, leaf) -> MatrixAxes:
+  axes = matrix_axes(path, leaf) if callable(matrix_axes) else matrix_axes
+  if not isinstance(axes, MatrixAxes):
+    raise ValueError(
+        "matrix_axes must be a MatrixAxes or a function (path, parameter) ->"
+        f" MatrixAxes; got {axes!r} for {jax.tree_util.keystr(path)}."
+    )
+  return axes
+
+
+class ScaleByTacoState(NamedTuple):
+  """State of :func:`scale_by_taco`: ``k`` heavy hitters per row of every matrix.
+
+  Per parameter of matrix shape ``(batch_shape, n_in, n_out)`` (see
+  :class:`MatrixAxes`), with ``slots = min(k, n_out)``; slots are ordered by
+  decreasing ``|momentum|``.
+  """
+
+  count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
+  # shape=(*batch_shape, n_in, slots), dtype=jnp.int16 (int32 above 32768
+  # outputs): the tracked output indices, distinct within a row.
+  index: optax.Updates
+  # shape=(*batch_shape, n_in, slots), dtype=jnp.float8_e4m3fn: momentum / scale.
+  momentum: optax.Updates
+  # shape=(*batch_shape, n_in, min(slots, 1)), dtype=jnp.bfloat16: a power of two.
+  scale: optax.Updates
+
+
+def _check_k(k: Any) -> int:
+  if isinstance(k, bool):
+    raise ValueError(f"k must be an int >= 0; got {k!r}.")
+  try:
+    k = operator.index(k)
+  except TypeError:
+    raise ValueError(f"k must be an int >= 0; got {k!r}.") from None
+  if k < 0:
+    raise ValueError(f"k must be an int >= 0 (0 is stateless TACO); got {k}.")
+  return k
+
+
+def _check_beta(beta: Any) -> None:
+  # Traced or array values (inject_hyperparams) cannot be checked eagerly.
+  if isinstance(beta, numbers.Real) and not 0 <= beta < 1:
+    raise ValueError(f"beta must be in [0, 1); got {beta}.")
+
+
+def _power_of_two_at_least(x: jax.Array) -> jax.Array:
+  """The smallest power of two ``>= x`` (1 for ``x = 0``), no smaller than bfloat16's least normal."""
+  mantissa, exponent = jnp.frexp(x)
+  exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+  return jnp.ldexp(jnp.float32(1), jnp.maximum(exponent, _MIN_SCALE_EXPONENT))
+
+
+def _quantize(momentum: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float8 codes and per-row scales of ``momentum[rows, slots]``, largest magnitude first."""
+  scale = _power_of_two_at_least(jnp.abs(momentum[:, :1]) / _CODE_MAX)
+  return (momentum / scale).astype(_CODE_DTYPE), scale.astype(_SCALE_DTYPE)
+
+
+def _dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:
+  return codes.astype(jnp.float32) * scale.astype(jnp.float32)
+
+
+def _matrix_shape(axes: MatrixAxes, path, leaf) -> tuple[tuple[int, ...], int, int]:
+  shape = axes.matrix_shape(jnp.shape(leaf))
+  if shape is None:
+    raise ValueError(
+        f"scale_by_taco needs more than batch_dims + input_dims ="
+        f" {axes.batch_dims + axes.input_dims} axes; parameter"
+        f" {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}. Route it to"
+        " a fallback (optax_memopt.taco's labels, see taco_labels) or pass"
+        " matrix_axes."
+    )
+  return shape
+
+
+def _map_with_path(fn: Callable[..., tuple], outputs: int, tree: Any, *others: Any) -> list[Any]:
+  """``outputs`` trees shaped like ``tree`` from ``fn(path, leaf, *other_leaves) -> tuple``."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  others = [treedef.flatten_up_to(other) for other in others]
+  results = [fn(path, leaf, *rest) for (path, leaf), *rest in zip(leaves, *others)]
+  columns = zip(*results) if results else [()] * outputs
+  return [treedef.unflatten(list(column)) for column in columns]
+
+
+def _index_dtype(n_out: int) -> jnp.dtype:
+  return jnp.dtype(jnp.int16 if n_out <= _MAX_INT16_OUTPUTS else jnp.int32)
+
+
+def scale_by_taco(
+    k: int = 16,
+    beta: jax.typing.ArrayLike = 0.9,
+    *,
+    matrix_axes: MatrixAxesSpec = MatrixAxes(),
+    implementation: _backend.Implementation = None,
+) -> optax.GradientTransformation:
+  r"""TACO's direction: per input feature, the sign of its largest output entry.
+
+  For every matrix ``G`` of shape ``(n_in, n_out)`` (Flax layout; a torch
+  column is a row here) the direction is
+
+  .. math::
+
+    D_{i, o} = \frac{n_{out}}{n_{in}} \, \operatorname{sign}(U_{i, o^*_i})
+    \, [o = o^*_i], \qquad o^*_i = \arg\max_o |U_{i, o}|,
+
+  ties toward the lower ``o``, returned with optax's sign convention (the
+  alias's ``scale_by_learning_rate`` negates it). With ``k = 0``, ``U = G``:
+  the paper's exact steepest-descent direction, with no state. With
+  ``k > 0``, ``U`` is the momentum of the row's heavy hitters:
+
+  .. math::
+
+    U_{i, o} = \beta \, \hat{u}_{i, o} + (1 - \beta) \, G_{i, o}
+
+  where :math:`\hat{u}` is the stored momentum on the row's tracked entries
+  and 0 elsewhere; the ``min(k, n_out)`` entries of largest ``|U|`` are
+  stored (float8 e4m3 with a power-of-two bfloat16 scale per row, int16
+  indices) for the next step. The module docstring lists these choices.
+
+  Args:
+    k: heavy hitters kept per row (torch column), ``>= 0``; fixes the state's
+      shape, so it is static under ``optax.inject_hyperparams``.
+    beta: momentum decay in ``[0, 1)``; unused when ``k = 0``.
+    matrix_axes: a :class:`MatrixAxes` for every parameter, or a function
+      ``(path, parameter) -> MatrixAxes``. Every parameter must have an
+      output axis left (use :func:`taco` to route the others elsewhere).
+    implementation: selection backend, ``None`` (auto), ``"xla"``,
+      ``"pallas"`` or ``"interpret"``: see
+      ``pallas_kernels.column_select.column_select``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a
+    :class:`ScaleByTacoState`.
+
+  Raises:
+    ValueError: for ``k < 0``, ``beta`` outside ``[0, 1)`` (when a Python
+      number), an unknown ``implementation``, or (at ``init``) a parameter
+      with too few axes.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_memopt
+    >>> tx = optax_memopt.scale_by_taco(k=0)
+    >>> grads = {"kernel": jnp.array([[0.1, -0.4], [0.3, 0.3]])}
+    >>> updates, _ = tx.update(grads, tx.init(grads))
+    >>> updates["kernel"]  # n_out / n_in = 1
+    Array([[ 0., -1.],
+           [ 1.,  0.]], dtype=float32)
+
+  References:
+    Jiang et al., "TACO: Ternary Absolute-max Column-wise One-sparse Optimizer
+    for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
+  """
+  k = _check_k(k)
+  _check_beta(beta)
+  _backend.resolve_implementation(implementation)  # Validates eagerly.
+
+  def init_leaf(path, param):
+    batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, param), path, param)
+    slots = min(k, n_out)
+    rows = (*batch_shape, n_in)
+    return (
+        jnp.broadcast_to(jnp.arange(slots, dtype=_index_dtype(n_out)), (*rows, slots)),
+        jnp.zeros((*rows, slots), _CODE_DTYPE),
+        jnp.ones((*rows, min(slots, 1)), _SCALE_DTYPE),
+    )
+
+  def init_fn(params):
+    index, momentum, scale = _map_with_path(init_leaf, 3, params)
+    return ScaleByTacoState(
+        count=jnp.zeros([], jnp.int32), index=index, momentum=momentum, scale=scale
+    )
+
+  def update_leaf(path, grad, index, codes, scale):
+    batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, grad), path, grad)
+    slots = index.shape[-1]
+    rows = math.prod(batch_shape) * n_in
+    decay = jnp.asarray(beta, jnp.float32)
+    # column_select ranks |g + offset| = |U| / (1 - beta), the same order.
+    offset = decay / (1 - decay) * _dequantize(codes, scale).reshape(rows, slots)
+    selection = column_select(
+        grad.reshape(rows, n_out),
+        index.reshape(rows, slots),
+        offset,
+        keep=max(slots, 1),
+        implementation=implementation,
+    )
+    sign = jnp.sign(selection.value[:, :1])
+    on_top = jnp.arange(n_out) == selection.index[:, :1]
+    direction = jnp.where(on_top, (n_out / n_in) * sign, 0).astype(grad.dtype)
+    new_codes, new_scale = _quantize((1 - decay) * selection.value[:, :slots])
+    return (
+        direction.reshape(grad.shape),
+        selection.index[:, :slots].astype(index.dtype).reshape(index.shape),
+        new_codes.reshape(codes.shape),
+        new_scale.reshape(scale.shape),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    directions, index, momentum, scale = _map_with_path(
+        update_leaf, 4, updates, state.index, state.momentum, state.scale
+    )
+    return directions, ScaleByTacoState(
+        count=optax.safe_increment(state.count), index=index, momentum=momentum, scale=scale
+    )
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def taco_labels(
+    params: optax.Params,
+    *,
+    matrix_axes: MatrixAxesSpec = MatrixAxes(),
+    embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
+) -> Any:
+  """Which parameters :func:`taco` steps with TACO and which with its fallback.
+
+  A parameter is labelled ``"taco"`` when it has an output axis left after
+  its :class:`MatrixAxes` (a 2-D kernel, by default) and no name on its path
+  contains one of ``embedding_names`` (lowercase substrings; embedding tables
+  are lookups, not matrices applied to inputs); otherwise ``"fallback"``.
+
+  Args:
+    params: the parameters (or a pytree of arrays or ``jax.ShapeDtypeStruct``
+      of their shapes).
+    matrix_axes: as in :func:`scale_by_taco`.
+    embedding_names: lowercase substrings of ``jax.tree_util.keystr(path)``
+      that send a parameter to the fallback; ``()`` to let TACO take
+      embedding tables too.
+
+  Returns:
+    A pytree like ``params`` with ``"taco"`` or ``"fallback"`` leaves: print
+    it, edit it, and pass it to :func:`taco` as ``labels``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_memopt
+    >>> params = {"embed": {"embedding": jnp.zeros((50, 8))},
+    ...           "dense": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)}}
+    >>> optax_memopt.taco_labels(params)
+    {'dense': {'bias': 'fallback', 'kernel': 'taco'}, 'embed': {'embedding': 'fallback'}}
+  """
+  names = tuple(name.lower() for name in embedding_names)
+
+  def label(path, param):
+    location = jax.tree_util.keystr(path).lower()
+    if any(name in location for name in names):
+      return FALLBACK_LABEL
+    if _axes_for(matrix_axes, path, param).matrix_shape(jnp.shape(param)) is None:
+      return FALLBACK_LABEL
+    return TACO_LABEL
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def _checked_labels(labels: Any) -> Any:
+  for path, label in jax.tree_util.tree_leaves_with_path(labels):
+    if label not in (TACO_LABEL, FALLBACK_LABEL):
+      raise ValueError(
+          f"labels must be {TACO_LABEL!r} or {FALLBACK_LABEL!r} for every"
+          f" parameter; got {label!r} for {jax.tree_util.keystr(path)}."
+      )
+  return labels
+
+
+def taco(
+    learning_rate: optax.ScalarOrSchedule,
+    k: int = 16,
+    beta: jax.typing.ArrayLike = 0.9,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    fallback: optax.GradientTransformation | None = None,
+    labels: Any | Callable[[optax.Params], Any] | None = None,
+    *,
+    matrix_axes: MatrixAxesSpec = MatrixAxes(),
+    embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
+    implementation: _backend.Implementation = None,
+) -> optax.GradientTransformation:
+  r"""TACO on matrices, a fallback elsewhere, weight decay and learning rate.
+
+  .. math::
+
+    p_t = p_{t-1} - \eta_t \left(d_t + \lambda \, p_{t-1}\right)
+
+  where :math:`d_t` is :func:`scale_by_taco`'s direction on parameters
+  labelled ``"taco"`` and ``fallback``'s on those labelled ``"fallback"``:
+  ``optax.chain(optax.partition({"taco": scale_by_taco(...), "fallback":
+  fallback}, labels), optax.add_decayed_weights(weight_decay, mask),
+  optax.scale_by_learning_rate(learning_rate))``. Both groups get the same
+  weight decay and learning rate (schedule); the default fallback is Adam's
+  direction, so the fallback group trains as ``optax.adamw`` would.
+
+  Args:
+    learning_rate: a scalar or schedule. TACO moves one entry per input
+      feature by ``lr * n_out / n_in``, so it wants a larger rate than Adam.
+    k: heavy hitters per input feature, ``>= 0`` (0: stateless TACO); static
+      under ``optax.inject_hyperparams``.
+    beta: heavy-hitter momentum decay in ``[0, 1)``.
+    weight_decay: decoupled weight-decay rate, for both groups.
+    mask: which leaves weight decay applies to (pytree of bools or a
+      function of the params); ``None`` decays all.
+    fallback: the direction for the ``"fallback"`` group, a transformation
+      without learning rate; ``None`` is ``optax.scale_by_adam()``. Chain
+      ``optax.scale(c)`` into it to give that group a relative step size.
+    labels: ``"taco"``/``"fallback"`` per parameter, a pytree (prefix) of the
+      params or a function of them; ``None`` is :func:`taco_labels` with
+      ``matrix_axes`` and ``embedding_names``. Pass functions (of
+      ``labels`` or ``matrix_axes``) in ``static_args`` of
+      ``optax.inject_hyperparams``, which otherwise reads them as schedules.
+    matrix_axes: how parameters are read as matrices, see :class:`MatrixAxes`.
+    embedding_names: path substrings of embeddings sent to the fallback by
+      the default labels.
+    implementation: selection backend, see :func:`scale_by_taco`.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError: for ``k < 0``, ``beta`` outside ``[0, 1)``, labels other
+      than ``"taco"``/``"fallback"`` (eagerly for a pytree, at ``init`` for a
+      function), a ``"taco"`` parameter without an output axis, or a
+      ``fallback`` that is not a transformation.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_memopt
+    >>> params = {"dense": {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}}
+    >>> labels = optax_memopt.taco_labels(params)
+    >>> labels
+    {'dense': {'bias': 'fallback', 'kernel': 'taco'}}
+    >>> tx = optax_memopt.taco(1e-2, k=4, weight_decay=0.1, labels=labels)
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> optax_memopt.state_nbytes(state) < optax_memopt.state_nbytes(
+    ...     optax.adamw(1e-2).init(params))
+    True
+
+  References:
+    Jiang et al., "TACO: Ternary Absolute-max Column-wise One-sparse Optimizer
+    for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
+  """
+  if fallback is None:
+    fallback = optax.scale_by_adam()
+  elif not isinstance(fallback, optax.GradientTransformation):
+    raise ValueError(
+        f"fallback must be an optax.GradientTransformation; got {type(fallback).__name__}."
+    )
+  if labels is None:
+    labels = functools.partial(
+        taco_labels, matrix_axes=matrix_axes, embedding_names=embedding_names
+    )
+  if callable(labels):
+    label_fn = labels
+
+    def labels(params):
+      return _checked_labels(label_fn(params))
+
+  else:
+    _checked_labels(labels)
+  return optax.chain(
+      optax.partition(
+          {
+              TACO_LABEL: scale_by_taco(
+                  k, beta, matrix_axes=matrix_axes, implementation=implementation
+              ),
+              FALLBACK_LABEL: fallback,
+          },
+          labels,
+      ),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
