@@ -1,0 +1,421 @@
+"""MicroAdam's window update: Adam's step rebuilt from a ring of sparse gradients.
+
+MicroAdam keeps no dense moments. Its state holds the last ``window`` sparse
+gradients, each the block top-k of one step: ``indices[window, K]`` (block-local,
+int16) and ``values[window, K]`` (bf16), with ``K = selection_size(d, k=k,
+block_size=D)`` entries laid out block-major as ``block_topk`` returns them
+(full block ``b`` owns entries ``[b k, (b + 1) k)``, a tail block the last
+ones). At step ``t`` (1-based) ring row ``r`` was written at step
+``t - e_r``, ``e_r = (t - 1 - r) mod window``, and only rows
+``r < min(t, window)`` have been written. This op computes, densely over the
+``d`` elements of the tensor,
+
+.. math::
+  M = \\sum_r c_1 \\beta_1^{e_r}\\, \\mathrm{scatter}(idx_r, val_r), \\qquad
+  S = \\sum_r c_2 \\beta_2^{e_r}\\, \\mathrm{scatter}(idx_r, val_r^2),
+
+  u = \\frac{M}{\\sqrt{S} + \\epsilon}, \\qquad
+  c_1 = \\frac{1 - \\beta_1}{1 - \\beta_1^t}, \\quad
+  c_2 = \\frac{1 - \\beta_2}{1 - \\beta_2^t},
+
+with ``u = 0`` where no row has an entry (``S = 0``). The bias corrections
+``c1`` and ``c2`` are folded into the per-row weights (``window_weights``), so
+both implementations see one ``[2, window]`` array of weights and ``eps``.
+
+Implementations (``implementation=``):
+
+* ``"xla"``: the reference. One scatter-add of every ring row at once into a
+  dense ``[d, 2]`` accumulator (``M`` and ``S`` side by side), then the
+  elementwise update.
+* ``"pallas"``: a Mosaic GPU kernel, one program per top-k block (as the
+  reference CUDA kernel ``compute_microadam_update``): fp32 ``M`` and ``S``
+  for the block live in shared memory (8 bytes per element, so a block of at
+  most ``MAX_KERNEL_BLOCK_SIZE`` fits the 227 KB of an H100/H200 SM); the
+  ring rows are scattered into them one entry at a time by scalar index
+  (Mosaic GPU has no gather/scatter by index array; the scalar
+  read-modify-write is made safe for the whole warpgroup by the barriers
+  Pallas inserts around shared-memory stores), then the block is written
+  densely as rows of 256. Block sizes must be whole rows of 256. The
+  scalar loop (two read-modify-writes and two barriers per entry, ``window *
+  k`` entries per block) is the price of expressing the scatter in Mosaic
+  GPU; its speed has not been measured on a GPU yet.
+* ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
+* ``None``: the Pallas kernel on a Hopper-or-newer GPU when it supports the
+  block size, XLA otherwise.
+
+References:
+  Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
+  Overhead and Provable Convergence", NeurIPS 2024,
+  https://arxiv.org/abs/2405.15593
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _backend
+from pallas_kernels import topk
+
+KERNEL_ROW = 256
+# fp32 M and S of one block (8 bytes/element) in the 227 KB of shared memory
+# of an H100/H200 SM, less the 2 KB Mosaic GPU reserves for reductions, in
+# whole rows of 256: 112 rows.
+MAX_KERNEL_BLOCK_SIZE = 28672
+
+
+def window_weights(
+    count: jax.typing.ArrayLike,
+    b1: jax.typing.ArrayLike,
+    b2: jax.typing.ArrayLike,
+    *,
+    window: int,
+) -> jax.Array:
+  """Per ring row, the weights of its values in ``M`` and of their squares in ``S``.
+
+  .. math::
+    w_{1,r} = c_1 \\beta_1^{e_r}, \\quad w_{2,r} = c_2 \\beta_2^{e_r}
+    \\quad (r < \\min(t, m)), \\qquad 0 \\text{ otherwise},
+
+  with ``e_r = (t - 1 - r) mod m``, ``m = window``, ``t = count``.
+
+  Args:
+    count: the step ``t >= 1`` whose update is computed (the ring row
+      ``(t - 1) mod window`` already holds this step's gradient).
+    b1: decay of the first moment, in ``[0, 1)``.
+    b2: decay of the second moment, in ``[0, 1)``.
+    window: number of ring rows.
+
+  Returns:
+    A float32 array ``[2, window]``: row 0 the weights ``w1``, row 1 ``w2``.
+
+  Examples:
+    >>> from pallas_kernels.microadam_update import window_weights
+    >>> window_weights(2, 0.5, 0.5, window=3)  # rows 0 and 1 written, row 1 newest
+    Array([[0.33333334, 0.6666667 , 0.        ],
+           [0.33333334, 0.6666667 , 0.        ]], dtype=float32)
+  """
+  t = jnp.asarray(count, jnp.int32)
+  b1 = jnp.asarray(b1, jnp.float32)
+  b2 = jnp.asarray(b2, jnp.float32)
+  rows = jnp.arange(window, dtype=jnp.int32)
+  age = jnp.mod(t - 1 - rows, window).astype(jnp.float32)
+  written = rows < jnp.minimum(t, window)
+  t = t.astype(jnp.float32)
+  c1 = (1 - b1) / (1 - b1**t)
+  c2 = (1 - b2) / (1 - b2**t)
+  weights = jnp.stack([c1 * b1**age, c2 * b2**age])
+  return jnp.where(written, weights, 0.0)
+
+
+def _update_from_moments(first: jax.Array, second: jax.Array, eps: jax.Array) -> jax.Array:
+  """``M / (sqrt(S) + eps)``, 0 where ``S = 0``; shared by the kernel and XLA.
+
+  ``sqrt(S)`` is written ``S * rsqrt(max(S, tiny))``: Mosaic GPU on JAX 0.10.2
+  lowers ``rsqrt`` but not ``sqrt``, and the ``max`` keeps ``rsqrt`` finite
+  at ``S = 0``. ``S = 0`` means no ring row has the entry, so ``M = 0`` too:
+  the ``where`` gives it 0 even with ``eps = 0`` while letting NaNs through.
+  """
+  root = second * lax.rsqrt(jnp.maximum(second, jnp.finfo(jnp.float32).tiny))
+  return jnp.where(second == 0, 0.0, first / (root + eps))
+
+
+def flat_positions(indices: jax.Array, *, k: int, block_size: int) -> jax.Array:
+  """Positions in the flattened tensor of block-local, block-major top-k indices.
+
+  Full blocks own ``k`` entries each and a tail block at most ``k``, so entry
+  ``j`` of a row lies in block ``j // k`` at ``(j // k) * block_size +
+  indices[..., j]``.
+
+  Args:
+    indices: block-local indices ``[..., K]``, as ``topk.block_topk`` returns.
+    k: entries per full block.
+    block_size: elements per block.
+
+  Returns:
+    int32 positions, shaped like ``indices``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.microadam_update import flat_positions
+    >>> flat_positions(jnp.array([1, 3, 1, 3, 0], jnp.int16), k=2, block_size=4)
+    Array([1, 3, 5, 7, 8], dtype=int32)
+  """
+  block = jnp.arange(indices.shape[-1], dtype=jnp.int32) // k
+  return block * block_size + indices.astype(jnp.int32)
+
+
+def _update_xla(indices, values, weights, eps, *, size, block_size, k):
+  window, n_entries = indices.shape
+  positions = flat_positions(indices, k=k, block_size=block_size)
+  values = values.astype(jnp.float32)
+  contributions = jnp.stack(
+      [weights[0][:, None] * values, weights[1][:, None] * values**2], axis=-1
+  )
+  moments = (
+      jnp.zeros((size, 2), jnp.float32)
+      .at[positions.reshape(-1)]
+      .add(contributions.reshape(window * n_entries, 2))
+  )
+  return _update_from_moments(moments[:, 0], moments[:, 1], eps)
+
+
+def _row(row) -> pl.Slice:
+  return pl.ds(row * KERNEL_ROW, KERNEL_ROW)
+
+
+def _window_update_kernel(
+    indices_ref,
+    values_ref,
+    weights_ref,
+    eps_ref,
+    update_ref,
+    first_ref,
+    second_ref,
+    *,
+    window: int,
+    k: int,
+    full_blocks: int,
+    tail_k: int,
+    rows: int,
+):
+  """One top-k block: scatter the ring into shared ``M``, ``S``; write ``u`` as rows."""
+  block = lax.axis_index("blocks")
+  first_entry = block * k
+
+  def clear(row, carry):
+    first_ref[_row(row)] = jnp.zeros((KERNEL_ROW,), jnp.float32)
+    second_ref[_row(row)] = jnp.zeros((KERNEL_ROW,), jnp.float32)
+    return carry
+
+  lax.fori_loop(0, rows, clear, None)
+
+  def scatter_ring_row(ring_row, carry):
+    first_weight = weights_ref[0, ring_row]
+    second_weight = weights_ref[1, ring_row]
+
+    def scatter_entry(entry):
+      position = indices_ref[ring_row, first_entry + entry].astype(jnp.int32)
+      value = values_ref[ring_row, first_entry + entry].astype(jnp.float32)
+      first_ref[position] = first_ref[position] + first_weight * value
+      second_ref[position] = second_ref[position] + second_weight * (value * value)
+
+    def scatter(entry, carry):
+      if tail_k in (0, k):  # Every block holds k entries.
+        scatter_entry(entry)
+      else:
+        entries = jnp.where(block < full_blocks, k, tail_k)
+        pl.when(entry < entries)(lambda: scatter_entry(entry))
+      return carry
+
+    return lax.fori_loop(0, k, scatter, carry)
+
+  lax.fori_loop(0, window, scatter_ring_row, None)
+  eps = eps_ref[0]
+
+  def write(row, carry):
+    update_ref[block, row] = _update_from_moments(
+        first_ref[_row(row)], second_ref[_row(row)], eps
+    )
+    return carry
+
+  lax.fori_loop(0, rows, write, None)
+
+
+def _update_pallas(indices, values, weights, eps, *, size, block_size, k, interpret):
+  window, n_entries = indices.shape
+  full_blocks, tail = divmod(size, block_size)
+  n_blocks = full_blocks + bool(tail)
+  # A tensor smaller than one block is one block of whole rows, not of
+  # block_size: its scratch and output shrink to fit.
+  kernel_block = min(block_size, -(-size // KERNEL_ROW) * KERNEL_ROW)
+  rows = kernel_block // KERNEL_ROW
+  kernel = _backend.mosaic_gpu_kernel(
+      functools.partial(
+          _window_update_kernel,
+          window=window,
+          k=k,
+          full_blocks=full_blocks,
+          tail_k=n_entries - full_blocks * k,
+          rows=rows,
+      ),
+      out_type=jax.ShapeDtypeStruct((n_blocks, rows, KERNEL_ROW), jnp.float32),
+      grid=(n_blocks,),
+      grid_names=("blocks",),
+      interpret=interpret,
+      scratch_types=(
+          plgpu.SMEM((kernel_block,), jnp.float32),
+          plgpu.SMEM((kernel_block,), jnp.float32),
+      ),
+  )
+  update = kernel(indices, values, weights, eps.reshape(1))
+  return update.reshape(-1)[:size]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("size", "block_size", "k", "implementation")
+)
+def _microadam_update(
+    indices, values, count, b1, b2, eps, *, size, block_size, k, implementation
+):
+  weights = window_weights(count, b1, b2, window=indices.shape[0])
+  eps = jnp.asarray(eps, jnp.float32)
+  if implementation == "xla":
+    return _update_xla(
+        indices, values, weights, eps, size=size, block_size=block_size, k=k
+    )
+  return _update_pallas(
+      indices,
+      values,
+      weights,
+      eps,
+      size=size,
+      block_size=block_size,
+      k=k,
+      interpret=implementation == "interpret",
+  )
+
+
+def kernel_unsupported_reason(block_size: int) -> str | None:
+  """Why the Pallas kernel cannot take ``block_size``, or ``None`` if it can."""
+  if block_size % KERNEL_ROW or block_size > MAX_KERNEL_BLOCK_SIZE:
+    return (
+        f"block_size must be a multiple of {KERNEL_ROW} and at most"
+        f" {MAX_KERNEL_BLOCK_SIZE} for the Pallas kernel (whole rows of"
+        f" {KERNEL_ROW}; fp32 M and S of a block in shared memory); got"
+        f" {block_size}. Use implementation='xla' for other block sizes."
+    )
+  return None
+
+
+def microadam_update(
+    indices: jax.Array,
+    values: jax.Array,
+    count: jax.typing.ArrayLike,
+    b1: jax.typing.ArrayLike,
+    b2: jax.typing.ArrayLike,
+    eps: jax.typing.ArrayLike,
+    *,
+    size: int,
+    k: int,
+    block_size: int,
+    implementation: _backend.Implementation = None,
+) -> jax.Array:
+  """MicroAdam's dense update from its ring of sparse gradients.
+
+  .. math::
+    u = \\frac{c_1 \\sum_r \\beta_1^{e_r} g_r}
+             {\\sqrt{c_2 \\sum_r \\beta_2^{e_r} g_r^2} + \\epsilon},
+    \\qquad e_r = (t - 1 - r) \\bmod m,
+
+  over the written rows ``r < min(t, m)``, ``g_r`` the sparse gradient of
+  ring row ``r`` scattered densely (see the module docstring); ``u = 0``
+  where no row has an entry.
+
+  Args:
+    indices: block-local indices ``[window, K]`` (int16 or int32), each row
+      block-major as ``topk.block_topk`` returns it.
+    values: the selected values ``[window, K]`` (any float dtype).
+    count: the step ``t >= 1``; ring row ``(t - 1) mod window`` holds its
+      gradient.
+    b1: decay of the first moment, in ``[0, 1)``.
+    b2: decay of the second moment, in ``[0, 1)``.
+    eps: added to ``sqrt(S)``, ``>= 0``.
+    size: number of elements ``d`` of the (flattened) tensor.
+    k: entries per full top-k block; ``K = topk.selection_size(size, k=k,
+      block_size=block_size)``.
+    block_size: elements per top-k block; the Pallas kernel needs a multiple
+      of 256 of at most ``MAX_KERNEL_BLOCK_SIZE``.
+    implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
+      ``"interpret"``; ``None`` picks the Pallas kernel on a Hopper-or-newer
+      GPU when it supports ``block_size``, XLA otherwise.
+
+  Returns:
+    The float32 update, flat, of shape ``(size,)``.
+
+  Raises:
+    ValueError: for shapes that do not match ``size``, ``k`` and
+      ``block_size``, an unknown ``implementation``, or a Pallas
+      implementation asked for a block size it does not support.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.microadam_update import microadam_update
+    >>> indices = jnp.array([[1, 0], [0, 0]], jnp.int16)  # one block of 2 per row
+    >>> values = jnp.array([[-2.0, 4.0], [0.0, 0.0]], jnp.bfloat16)
+    >>> microadam_update(indices, values, 1, 0.9, 0.999, 0.0, size=3, k=1,
+    ...                  block_size=2)  # step 1: Adam's sign(g)
+    Array([ 0., -1.,  1.], dtype=float32)
+
+  References:
+    Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
+    Overhead and Provable Convergence", NeurIPS 2024,
+    https://arxiv.org/abs/2405.15593
+  """
+  n_entries = topk.selection_size(size, k=k, block_size=block_size)
+  if indices.ndim != 2 or indices.shape[1] != n_entries:
+    raise ValueError(
+        f"indices must have shape [window, {n_entries}] for size={size},"
+        f" k={k}, block_size={block_size}; got {indices.shape}."
+    )
+  if values.shape != indices.shape:
+    raise ValueError(
+        f"values must have the shape of indices {indices.shape}; got {values.shape}."
+    )
+  if not jnp.issubdtype(indices.dtype, jnp.integer):
+    raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
+  resolved = _backend.resolve_implementation(implementation)
+  unsupported = kernel_unsupported_reason(block_size)
+  if resolved != "xla" and unsupported is not None:
+    if implementation is not None:
+      raise ValueError(unsupported)
+    resolved = "xla"
+  return _microadam_update(
+      indices,
+      values,
+      count,
+      b1,
+      b2,
+      eps,
+      size=size,
+      block_size=block_size,
+      k=k,
+      implementation=resolved,
+  )
+
+
+def lowering_examples() -> list[_backend.LoweringExample]:
+  """The kernel at MicroAdam's default block, at the largest, and on a small tensor."""
+  examples = []
+  for size, block_size, window in (
+      (4 * 16384 + 1000, 16384, 10),  # four full blocks and a tail block
+      (2 * MAX_KERNEL_BLOCK_SIZE, MAX_KERNEL_BLOCK_SIZE, 10),
+      (300, 16384, 3),  # smaller than one block
+  ):
+    k = -(-block_size // 100)
+    n_entries = topk.selection_size(size, k=k, block_size=block_size)
+    fn = functools.partial(
+        microadam_update, size=size, k=k, block_size=block_size, implementation="pallas"
+    )
+    ring = jax.ShapeDtypeStruct((window, n_entries), jnp.int16)
+    examples.append(
+        _backend.LoweringExample(
+            name=f"microadam_update_{size}_{block_size}_w{window}",
+            backend=_backend.MOSAIC_GPU_CALL,
+            fn=fn,
+            args=(
+                ring,
+                jax.ShapeDtypeStruct((window, n_entries), jnp.bfloat16),
+                jax.ShapeDtypeStruct((), jnp.int32),
+                jax.ShapeDtypeStruct((), jnp.float32),
+                jax.ShapeDtypeStruct((), jnp.float32),
+                jax.ShapeDtypeStruct((), jnp.float32),
+            ),
+        )
+    )
+  return examples
