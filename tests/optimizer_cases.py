@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import optax
 
+import optax_memopt
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerCase:
@@ -23,4 +25,40 @@ class OptimizerCase:
 
 CASES: dict[str, OptimizerCase] = {
     "optax_adamw": OptimizerCase(optax.adamw, dict(learning_rate=1e-2)),
+    # Flax rules on the test tree: per output neuron (40 blocks), per token
+    # (50), whole tensor (norm scale), per element (bias).
+    "adam_mini": OptimizerCase(
+        optax_memopt.adam_mini,
+        dict(learning_rate=1e-2, weight_decay=1e-4, n_heads=4),
+        static_args=("n_heads",),
+    ),
+    # Blocks of 256 (the kernel's row) cut the (24, 40) kernel into three full
+    # blocks and a tail; buckets of 64 make several per block.
+    "microadam": OptimizerCase(
+        optax_memopt.microadam,
+        dict(
+            learning_rate=1e-2,
+            weight_decay=1e-4,
+            window=4,
+            density=0.1,
+            block_size=256,
+            bucket_size=64,
+        ),
+        static_args=("window", "density", "block_size", "bucket_size"),
+    ),
+    # k = 4 of the kernel's 40 outputs per row, so entries get evicted; the
+    # embedding, bias and norm scale take the Adam fallback.
+    "taco": OptimizerCase(
+        optax_memopt.taco,
+        dict(learning_rate=1e-2, k=4, weight_decay=1e-4),
+        static_args=("k",),
+    ),
+    # min_size=32 makes the kernel and the embedding ternary with factored nu
+    # and the bias ternary with full nu; the norm scale stays float32. Blocks
+    # of 32 cut them into 30, 38 (with a tail) and 2 blocks.
+    "ternary_adam": OptimizerCase(
+        optax_memopt.ternary_adam,
+        dict(learning_rate=1e-2, weight_decay=1e-4, block_size=32, min_size=32),
+        static_args=("block_size", "min_size", "key"),
+    ),
 }

@@ -1,0 +1,199 @@
+"""The fused ternary-Adam step: interpret-mode kernel against XLA, XLA against the public ops.
+
+The XLA reference must equal the step composed from ``ternary_decode``, a
+numpy re-derivation of Adam's update, and ``ternary_encode`` with the same
+key (same trits and scales exactly, directions to float32 rounding); the
+kernel, run by the Mosaic GPU interpreter, must equal the reference: trits,
+scales and ``nu`` bit for bit, the direction to a few float32 ulps
+(XLA's fused CPU code and the interpreter may evaluate the division and
+``rsqrt`` differently). Inputs are drawn fresh; the seed is in every failure
+message. Lowering for CUDA is checked by ``test_check_lowering.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ternary
+from pallas_kernels import ternary_adam_update as update_module
+from pallas_kernels.ternary_adam_update import ternary_adam_update
+
+pytestmark = pytest.mark.kernels
+
+# With these decays and the dyadic inputs of _inputs, the new moment and nu
+# are exact in float32 however XLA fuses or contracts their arithmetic (fused
+# multiply-adds differ between jit, eager and the interpreter, and between
+# JAX versions), so trits, scales and nu can be compared bit for bit.
+B1, B2, EPS, COUNT = 0.5, 0.75, 1e-8, 3
+# A few float32 ulps: XLA's CPU code and the interpreter may evaluate rsqrt
+# and the division with different approximations.
+DIRECTION_RTOL = 2e-6
+
+
+def _fresh_seed() -> int:
+  return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def _inputs(seed, size, *, block_size, packing, grad_dtype=jnp.float32):
+  """A gradient, a stored moment with spread-out scales (and a zero block), and nu.
+
+  Values are multiples of 2**-8 (the gradient below 8 in magnitude, so that
+  ``g**2 / 4`` keeps its bits), for exact arithmetic with ``B1`` and ``B2``.
+  """
+  rng = np.random.default_rng(seed)
+  grad = rng.standard_normal(size) * np.exp(rng.uniform(-2, 2, size))
+  moment = rng.standard_normal(size) * np.exp(rng.uniform(-3, 1, size))
+  grad = np.clip(np.round(grad * 256) / 256, -8, 8).astype(np.float32)
+  moment = np.round(moment * 256) / 256
+  moment[:block_size] = 0.0  # A block whose stored scale is 0.
+  stored = ternary.ternary_encode(
+      jnp.asarray(moment, jnp.float32), block_size=block_size, packing=packing,
+      key=jax.random.key(seed), implementation="xla",
+  )
+  nu = (np.round(rng.uniform(0.0, 2.0, size) * 256) / 256).astype(np.float32)
+  nu[-7:] = 0.0  # Roots of zero.
+  return jnp.asarray(grad, grad_dtype), stored, jnp.asarray(nu)
+
+
+def _step(grad, stored, nu, key, *, block_size, packing, update_nu, implementation):
+  return ternary_adam_update(
+      grad, stored, nu, key=key, count=COUNT, b1=B1, b2=B2, eps=EPS,
+      block_size=block_size, packing=packing, update_nu=update_nu,
+      implementation=implementation,
+  )
+
+
+def _assert_steps_equal(actual, expected, message):
+  np.testing.assert_array_equal(actual.momentum.packed, expected.momentum.packed, err_msg=message)
+  np.testing.assert_array_equal(actual.momentum.scales, expected.momentum.scales, err_msg=message)
+  if expected.nu is None:
+    assert actual.nu is None
+  else:
+    np.testing.assert_array_equal(actual.nu, expected.nu, err_msg=message)
+  assert actual.direction.dtype == expected.direction.dtype
+  np.testing.assert_allclose(
+      np.asarray(actual.direction, np.float32), np.asarray(expected.direction, np.float32),
+      rtol=DIRECTION_RTOL if expected.direction.dtype == jnp.float32 else 1e-2, atol=0, err_msg=message,
+  )
+
+
+@pytest.mark.parametrize("packing", ["base3", "2bit"])
+@pytest.mark.parametrize("block_size", [32, 128, 256])
+@pytest.mark.parametrize("update_nu", [True, False])
+def test_xla_step_equals_the_public_ternary_ops(packing, block_size, update_nu):
+  seed = _fresh_seed()
+  size = 3000
+  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing=packing)
+  key = jax.random.key(seed + 1)
+  step = _step(grad, stored, nu, key, block_size=block_size, packing=packing,
+               update_nu=update_nu, implementation="xla")
+
+  previous = ternary.ternary_decode(stored, size=size, block_size=block_size, packing=packing)
+  m = B1 * previous + (1 - B1) * grad  # Exact (see B1).
+  expected = ternary.ternary_encode(m, block_size=block_size, key=key, packing=packing)
+  np.testing.assert_array_equal(step.momentum.packed, expected.packed, err_msg=f"seed={seed}")
+  np.testing.assert_array_equal(step.momentum.scales, expected.scales, err_msg=f"seed={seed}")
+
+  g, nu64 = np.asarray(grad, np.float64), np.asarray(nu, np.float64)
+  new_nu = B2 * nu64 + (1 - B2) * g * g if update_nu else nu64
+  direction = (np.asarray(m, np.float64) / (1 - B1**COUNT)) / (
+      np.sqrt(new_nu / (1 - B2**COUNT)) + EPS
+  )
+  np.testing.assert_allclose(step.direction, direction, rtol=2e-6, err_msg=f"seed={seed}")
+  if update_nu:
+    np.testing.assert_array_equal(step.nu, new_nu, err_msg=f"seed={seed}")
+  else:
+    assert step.nu is None
+
+
+# packing, block_size, size, grad dtype, update_nu: sub-slice blocks, one
+# block per slice, blocks over two packed rows, a tail after whole chunks,
+# an input shorter than a chunk (all XLA), bfloat16 gradients.
+_PARITY_CASES = [
+    ("base3", 64, 640 * 2 + 77, jnp.float32, True),
+    ("base3", 256, 1280 + 300, jnp.float32, False),
+    ("2bit", 128, 512 * 2 + 5, jnp.bfloat16, True),
+    ("2bit", 32, 300, jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("packing, block_size, size, dtype, update_nu", _PARITY_CASES)
+def test_interpret_kernel_equals_xla(packing, block_size, size, dtype, update_nu):
+  seed = _fresh_seed()
+  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing=packing, grad_dtype=dtype)
+  key = jax.random.key(seed + 1)
+  options = dict(block_size=block_size, packing=packing, update_nu=update_nu)
+  expected = _step(grad, stored, nu, key, **options, implementation="xla")
+  actual = _step(grad, stored, nu, key, **options, implementation="interpret")
+  _assert_steps_equal(actual, expected, f"seed={seed}")
+
+
+def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla():
+  seed = _fresh_seed()
+  block_size, size, layout = 128, 640 * 4 + 33, ternary._layout("base3")
+  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing="base3")
+  seed_bits = jnp.uint32(seed)
+  hyper = update_module._hyperparameters(COUNT, B1, B2, EPS)
+  args = (grad, stored.packed, stored.scales, nu, seed_bits, hyper)
+  options = dict(block_size=block_size, layout=layout, update_nu=True)
+  expected = jax.jit(functools.partial(update_module._step_reference, **options))(*args)
+  # Two grid steps of two chunks, then a tail in XLA.
+  actual = jax.jit(
+      functools.partial(
+          update_module._step_pallas, **options, interpret=True, chunks_per_step=2
+      )
+  )(*args)
+  for name, a, e in zip(("direction", "packed", "scales", "nu"), actual, expected):
+    if name == "direction":
+      np.testing.assert_allclose(a, e, rtol=DIRECTION_RTOL, err_msg=f"seed={seed}")
+    else:
+      np.testing.assert_array_equal(a, e, err_msg=f"{name}, seed={seed}")
+
+
+def test_direction_keeps_the_gradient_shape_and_dtype():
+  grad = jnp.ones((40, 50), jnp.bfloat16)
+  stored = ternary.ternary_encode(jnp.zeros(2000), block_size=64)
+  step = ternary_adam_update(
+      grad, stored, jnp.zeros((40, 50)), key=jax.random.key(0), count=1,
+      b1=0.9, b2=0.999, eps=1e-8, block_size=64, implementation="xla",
+  )
+  assert step.direction.shape == (40, 50) and step.direction.dtype == jnp.bfloat16
+  assert step.nu.shape == (40, 50) and step.nu.dtype == jnp.float32
+  # Adam's first step is sign(g).
+  np.testing.assert_allclose(np.asarray(step.direction, np.float32), 1.0, rtol=1e-2)
+
+
+def _good_arguments():
+  return dict(
+      grad=jnp.ones(100), momentum=ternary.ternary_encode(jnp.zeros(100), block_size=32),
+      nu=jnp.zeros(100), key=jax.random.key(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
+      block_size=32,
+  )
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
+        (dict(block_size=48), "block_size"),
+        (dict(packing="base5"), "packing"),
+        (dict(momentum=ternary.ternary_encode(jnp.zeros(120), block_size=32)), "packed"),
+        (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
+        (dict(nu=jnp.zeros(101)), "nu"),
+        (dict(key=0), "key"),
+        (dict(b1=1.5), "b1"),
+        (dict(b2=1.0), "b2"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(implementation="triton"), "implementation"),
+    ],
+)
+def test_bad_arguments_raise(change, match):
+  arguments = {**_good_arguments(), **change}
+  grad, momentum, nu = (arguments.pop(k) for k in ("grad", "momentum", "nu"))
+  with pytest.raises(ValueError, match=match):
+    ternary_adam_update(grad, momentum, nu, **arguments)
