@@ -30,7 +30,7 @@ def train_all(names, config, args, *, corpus, steps, params=None, lr_scale=1.0):
     spec = optimizers.get(name)
     peak = spec.default_learning_rate * lr_scale
     result = loop.train(
-        config, spec.build(learning_rate_schedule(peak, steps)), steps=steps,
+        config, spec.build(learning_rate_schedule(peak, steps), config), steps=steps,
         batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, corpus=corpus, params=params,
     )
     rows.append(report.summary(name, result) | {"learning_rate": peak})

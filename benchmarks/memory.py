@@ -32,7 +32,7 @@ PAPER_LLAMA2_7B_GB = {
 
 def state_bytes(name: str, model: str) -> tuple[int, int]:
   abstract = shapes.params(model, abstract=True)
-  optimizer = optimizers.get(name).build(1e-3)
+  optimizer = optimizers.get(name).build(1e-3, shapes.MODELS[model])
   return state_nbytes(jax.eval_shape(optimizer.init, abstract)), shapes.count(abstract)
 
 

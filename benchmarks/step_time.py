@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     baseline = None
     for name in names:
       fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
-      seconds, temp = time_step(optimizers.get(name).build(1e-3), fresh, grads, args.repeats)
+      seconds, temp = time_step(optimizers.get(name).build(1e-3, shapes.MODELS[model]), fresh, grads, args.repeats)
       baseline = baseline or seconds
       row = {"model": model, "n_params": shapes.count(params), "optimizer": name,
              "ms_per_step": 1e3 * seconds, "ratio_to_adamw": seconds / baseline, "temp_bytes": temp}

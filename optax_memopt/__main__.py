@@ -79,7 +79,7 @@ def progress_printer(name: str, steps: int):
 def run(name: str, args, config: model.TransformerConfig) -> dict:
   spec = optimizers.get(name)
   peak = args.learning_rate or spec.default_learning_rate
-  optimizer = spec.build(learning_rate_schedule(peak, args.steps))
+  optimizer = spec.build(learning_rate_schedule(peak, args.steps), config)
   result = loop.train(
       config, optimizer, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
       seed=args.seed, corpus=args.corpus,

@@ -96,8 +96,9 @@ def test_main_job_rejects_unknown_optimizer():
 
 @pytest.mark.parametrize("name", sorted(optimizers.OPTIMIZERS))
 def test_every_listed_optimizer_builds_and_steps(name):
-  params = {"w": jnp.ones((8, 4)), "b": jnp.zeros((4,))}
-  opt = optimizers.get(name).build(1e-3)
+  config = main_job.MODEL_SIZES["tiny"]
+  params = loop.init_params(config, seed=0)[1]
+  opt = optimizers.get(name).build(1e-3, config)
   state = opt.init(params)
   updates, _ = jax.jit(opt.update)(jax.tree.map(jnp.ones_like, params), state, params)
   chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)

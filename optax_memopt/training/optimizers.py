@@ -1,7 +1,9 @@
-"""The optimizers the main job, the benchmarks and the notebook compare.
+"""The optimizers the main job and the benchmarks compare.
 
 Each entry builds a full optimizer (direction, weight decay, learning rate)
-from a learning rate; ``default_learning_rate`` is the one the main job uses
+from a learning rate and the model's config (Adam-mini needs the head counts
+to cut fused query and key kernels into heads); ``default_learning_rate`` is
+the one the main job uses
 on its small Transformer, tuned per method because their steps differ in
 scale (TACO's is a signed, dimension-normalized step, not Adam's).
 """
@@ -14,13 +16,14 @@ from typing import Callable
 import optax
 
 import optax_memopt
+from optax_memopt.training.model import TransformerConfig
 
 WEIGHT_DECAY = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
-  build: Callable[[optax.ScalarOrSchedule], optax.GradientTransformation]
+  build: Callable[[optax.ScalarOrSchedule, TransformerConfig], optax.GradientTransformation]
   default_learning_rate: float
   summary: str
   ours: bool = True
@@ -28,13 +31,13 @@ class OptimizerSpec:
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(
-        lambda lr: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
+        lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "optax.adamw, fp32 m and v: the baseline",
         ours=False,
     ),
     "adamw_bf16": OptimizerSpec(
-        lambda lr: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
+        lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
         3e-3,
         "optax.adamw with a bf16 first moment",
         ours=False,
@@ -42,10 +45,32 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adafactor": OptimizerSpec(
         # optax.adafactor's weight_decay_rate is not scaled by the learning
         # rate and makes this model diverge; it runs without decay, as usual.
-        lambda lr: optax.adafactor(lr),
+        lambda lr, config: optax.adafactor(lr),
         1e-2,
         "optax.adafactor: factored second moment, no first moment",
         ours=False,
+    ),
+    "microadam": OptimizerSpec(
+        lambda lr, config: optax_memopt.microadam(lr, weight_decay=WEIGHT_DECAY),
+        3e-3,
+        "MicroAdam: window of 10 top-1% sparse gradients plus 4-bit error feedback",
+    ),
+    "adam_mini": OptimizerSpec(
+        lambda lr, config: optax_memopt.adam_mini(
+            lr, weight_decay=WEIGHT_DECAY, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads
+        ),
+        3e-3,
+        "Adam-mini: one second moment per head, neuron or token",
+    ),
+    "ternary_adam": OptimizerSpec(
+        lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
+        3e-3,
+        "ternary-state Adam: base-3 trits with block scales for m, factored v",
+    ),
+    "taco": OptimizerSpec(
+        lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY),
+        1e-2,
+        "TACO: signed argmax per input feature, 16 fp8 heavy hitters per row; Adam on vectors and embeddings",
     ),
 }
 
