@@ -20,13 +20,14 @@ from benchmarks import shapes
 from optax_memopt import state_nbytes
 from optax_memopt.training import optimizers
 
-# Optimizer state of Llama-2-7B in GB as the papers report it.
-PAPER_LLAMA2_7B_GB = {
-    "adamw": "53.92 (Adam-mini repo, fp32)",
-    "adamw_bf16": "25.1 (MicroAdam paper: bf16 m and v with bf16 weights; this row keeps v in fp32)",
-    "adam_mini": "26.96 (Adam-mini repo, fp32)",
-    "microadam": "5.65 (MicroAdam paper)",
-    "adamw_8bit": "12.55 (MicroAdam paper; not in this library)",
+# Optimizer state of Llama-2-7B as the papers report it. The MicroAdam paper's
+# "GB" are binary (its 5.65 is 0.9 bytes x 6.74e9 parameters in GiB); the
+# Adam-mini repository's are decimal (53.92 = 8 bytes x 6.74e9 / 1e9).
+PAPER_LLAMA2_7B = {
+    "adamw": "53.92 GB (Adam-mini repo, fp32)",
+    "adamw_bf16": "25.1 GiB (MicroAdam paper: bf16 m and v with bf16 weights; this row keeps v in fp32)",
+    "adam_mini": "26.96 GB (Adam-mini repo, fp32)",
+    "microadam": "5.65 GiB (MicroAdam paper)",
 }
 
 
@@ -52,15 +53,17 @@ def main(argv=None) -> None:
 
   header = "| optimizer | " + " | ".join(f"{m} B/param" for m in args.models)
   if "llama2_7b" in args.models:
-    header += " | Llama-2-7B GB (ours) | Llama-2-7B GB (paper)"
+    header += " | Llama-2-7B GB | Llama-2-7B GiB | paper"
   print(header + " |")
   print("|---" * (header.count("|")) + "|")
   for row in rows:
     cells = [f"{row[m]['bytes_per_param']:.3f}" for m in args.models]
     if "llama2_7b" in args.models:
-      cells += [f"{row['llama2_7b']['bytes'] / 1e9:.2f}", PAPER_LLAMA2_7B_GB.get(row["optimizer"], "")]
+      nbytes = row["llama2_7b"]["bytes"]
+      cells += [f"{nbytes / 1e9:.2f}", f"{nbytes / 2**30:.2f}", PAPER_LLAMA2_7B.get(row["optimizer"], "")]
     print(f"| {row['optimizer']} | " + " | ".join(cells) + " |")
   print("parameters: " + ", ".join(f"{m} {rows[0][m]['n_params']:,}" for m in args.models))
+  print("AdamW-8bit (bitsandbytes, not in this library): 12.55 GiB in the MicroAdam paper.")
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "memory.json").write_text(json.dumps(rows, indent=1))
 
