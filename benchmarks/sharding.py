@@ -1,0 +1,348 @@
+"""Per-device optimizer-state bytes with parameters sharded over 1, 2, 4 and 8 devices.
+
+The parameters of the 10M model are laid out FSDP and tensor-parallel style on
+a ``("fsdp", "tp")`` mesh (:func:`param_spec`); every optimizer's state is
+initialised by ``jax.jit(init, out_shardings=state_shardings(...))``, where
+each state leaf follows its parameter (:func:`state_shardings`); one jitted
+update runs with its output shardings left to JAX's SPMD partitioner, and the
+table gives the largest per-device bytes of the updated state. The ideal is
+``total / devices``; the state of replicated parameters (vectors) is
+replicated with them, and a leaf whose shape the mesh does not divide is split
+more coarsely than its parameter ("under-split").
+
+Each device count runs in its own process: the number of host-platform
+devices is fixed when JAX starts (``--xla_force_host_platform_device_count``).
+Prints a markdown table and writes ``results/sharding.json``.
+
+    python -m benchmarks.sharding
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any, Sequence
+
+import jax
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from benchmarks import shapes
+from optax_memopt import state_nbytes
+from optax_memopt.training import optimizers
+
+MESH_AXES = ("fsdp", "tp")
+DEVICE_COUNTS = (1, 2, 4, 8)
+
+
+def mesh_shape(n_devices: int) -> tuple[int, int]:
+  """``(fsdp, tp)`` sizes: tensor parallelism of 2 from 4 devices on, FSDP over the rest."""
+  if n_devices < 1:
+    raise ValueError(f"n_devices must be >= 1; got {n_devices}.")
+  tp = 2 if n_devices >= 4 and n_devices % 2 == 0 else 1
+  return n_devices // tp, tp
+
+
+def make_mesh(n_devices: int) -> Mesh:
+  """A ``("fsdp", "tp")`` mesh of the first ``n_devices`` devices, sharding left to the partitioner."""
+  if n_devices > jax.device_count():
+    raise ValueError(
+        f"n_devices must be <= jax.device_count() = {jax.device_count()}; got {n_devices}."
+    )
+  return jax.make_mesh(
+      mesh_shape(n_devices),
+      MESH_AXES,
+      axis_types=(AxisType.Auto,) * len(MESH_AXES),
+      devices=jax.devices()[:n_devices],
+  )
+
+
+def param_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """FSDP on the first axis and tensor parallelism on the last, where they divide.
+
+  A matrix ``(in, out)`` is cut into ``fsdp`` row groups and ``tp`` column
+  groups; vectors and scalars (biases, norm scales: a small fraction of a
+  model) are replicated, as in tensor-parallel layouts.
+  """
+  if len(shape) < 2:
+    return PartitionSpec()
+  fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+  spec = [None] * len(shape)
+  if shape[0] % fsdp == 0:
+    spec[0] = "fsdp"
+  if shape[-1] % tp == 0:
+    spec[-1] = "tp"
+  return PartitionSpec(*spec)
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+  return jax.tree.map(lambda p: NamedSharding(mesh, param_spec(p.shape, mesh)), params)
+
+
+def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """Shards a leaf over as many devices as its shape allows, without padding.
+
+  Mesh axes, largest first, each go to the dimension with the most elements
+  left per shard among those they divide. A flat block-major buffer
+  (MicroAdam's 4-bit codes, its ``(window, n_blocks * k)`` ring) is thereby
+  cut into contiguous runs of elements; where the mesh does not divide the
+  long axis, a remaining mesh axis may go to a short one (the ring's window).
+  """
+  assigned: list[list[str]] = [[] for _ in shape]
+  per_shard = list(shape)
+  for axis in sorted(mesh.axis_names, key=lambda a: -mesh.shape[a]):
+    size = mesh.shape[axis]
+    divisible = [d for d in range(len(shape)) if size > 1 and per_shard[d] % size == 0]
+    if divisible:
+      dim = max(divisible, key=lambda d: per_shard[d])
+      assigned[dim].append(axis)
+      per_shard[dim] //= size
+  return PartitionSpec(*(tuple(a) if len(a) > 1 else (a[0] if a else None) for a in assigned))
+
+
+def _key_name(key: Any) -> Any:
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return getattr(key, attribute)
+  return str(key)
+
+
+def _keys(path: Sequence[Any]) -> tuple:
+  return tuple(_key_name(k) for k in path)
+
+
+def _last_match(path: tuple, part: tuple) -> int:
+  """Where ``part`` last occurs in ``path`` after its first key, or -1.
+
+  A state's own container (a chain's index, a state field) always comes
+  first, so a parameter path never starts a state leaf's path.
+  """
+  starts = [i for i in range(1, len(path) - len(part) + 1) if path[i : i + len(part)] == part]
+  return starts[-1] if starts else -1
+
+
+def owners(state: Any, params: Any) -> Any:
+  """For each state leaf, the index in ``jax.tree.leaves(params)`` of its parameter, or -1.
+
+  A state leaf belongs to the parameter whose path its own path holds
+  (``[0].mu['dense']['kernel']`` to ``['dense']['kernel']``): the longest such
+  path, and of equally long ones the last in the leaf's path. Step counts and
+  PRNG keys belong to none.
+  """
+  param_paths = [
+      (_keys(path), index)
+      for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+  ]
+
+  def owner(path, _):
+    keys = _keys(path)
+    matches = [
+        (len(param_path), _last_match(keys, param_path), index)
+        for param_path, index in param_paths
+        if _last_match(keys, param_path) >= 0
+    ]
+    return max(matches)[2] if matches else -1
+
+  return jax.tree_util.tree_map_with_path(owner, state)
+
+
+def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
+  """Shardings for an optimizer state that follow the parameters' shardings.
+
+  Each state leaf is placed after its parameter (see :func:`owners`):
+
+  * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
+    sharding, so elementwise updates need no communication;
+  * the parameter is replicated: replicated;
+  * some axes the same size as the parameter's at the same position (keep-dims
+    per-block statistics, per-row buffers): those axes sharded as the
+    parameter's, the rest replicated;
+  * no axis in common (flat packed codes, rings of sparse entries): cut by
+    :func:`split_spec` over the whole mesh.
+
+  Leaves of no parameter (step counts, PRNG keys) are replicated.
+
+  Args:
+    state: the state or its ``jax.eval_shape``.
+    params: the parameters or their ``jax.eval_shape``.
+    shardings: the parameters' ``NamedSharding``, a tree like ``params``.
+    mesh: the mesh of ``shardings``.
+
+  Returns:
+    A tree like ``state`` of ``NamedSharding``, for ``out_shardings`` of
+    ``jax.jit(optimizer.init)`` and of the train step, or the ``target`` of a
+    checkpoint restore.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> mesh = make_mesh(1)
+    >>> params = {"w": jnp.zeros((8, 4))}
+    >>> shardings = param_shardings(params, mesh)
+    >>> state = jax.eval_shape(optax.adam(1e-3).init, params)
+    >>> state_shardings(state, params, shardings, mesh)[0].mu["w"] == shardings["w"]
+    True
+  """
+  param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(leaf, index):
+    if index < 0:
+      return replicated
+    param, sharding = param_leaves[index]
+    shape = tuple(param.shape)
+    if tuple(leaf.shape) == shape:
+      return sharding
+    if sharding.is_fully_replicated:
+      return replicated
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
+      return NamedSharding(
+          mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
+      )
+    return NamedSharding(mesh, split_spec(leaf.shape, mesh))
+
+  return jax.tree.map(place, state, owners(state, params))
+
+
+def per_device_bytes(tree: Any) -> dict[int, int]:
+  """Bytes that the array leaves of ``tree`` occupy on each device, by device id."""
+  totals: dict[int, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      totals[shard.device.id] = totals.get(shard.device.id, 0) + state_nbytes(shard.data)
+  return totals
+
+
+def shard_fraction(shape: Sequence[int], sharding: NamedSharding) -> float:
+  """The fraction of an array of ``shape`` that one device holds."""
+  size = math.prod(shape)
+  return math.prod(sharding.shard_shape(tuple(shape))) / size if size else 1.0
+
+
+def split_like_params_bytes(state: Any, params: Any, shardings: Any) -> float:
+  """Per-device state bytes if every leaf were split as finely as its parameter.
+
+  The target of the sharding rule: ``total / n_devices`` when every
+  parameter is split over the whole mesh, more for replicated parameters
+  (whose state is rightly replicated too) and for leaves of no parameter.
+  """
+  fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
+  return sum(
+      state_nbytes(leaf) * (fractions[index] if index >= 0 else 1.0)
+      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(owners(state, params)))
+  )
+
+
+def under_split_leaves(state: Any, params: Any, shardings: Any, min_bytes: float) -> list[str]:
+  """State leaves of at least ``min_bytes`` that a device holds more of than of their parameter."""
+  fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
+  return [
+      f"{jax.tree_util.keystr(path)} {leaf.shape} {leaf.dtype}: {leaf.sharding.spec}"
+      for (path, leaf), index in zip(
+          jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(owners(state, params))
+      )
+      if state_nbytes(leaf) >= min_bytes
+      and index >= 0
+      and shard_fraction(leaf.shape, leaf.sharding) > fractions[index]
+  ]
+
+
+def measure(optimizer: optax.GradientTransformation, params: Any, n_devices: int) -> dict[str, Any]:
+  """State bytes (total, per device) after one jitted update on sharded ``params``."""
+  mesh = make_mesh(n_devices)
+  shardings = param_shardings(params, mesh)
+  params = jax.device_put(params, shardings)
+  abstract_state = jax.eval_shape(optimizer.init, params)
+  state = jax.jit(
+      optimizer.init, out_shardings=state_shardings(abstract_state, params, shardings, mesh)
+  )(params)
+  grads = jax.tree.map(lambda p: p * 1e-2, params)
+  _, updated = jax.jit(optimizer.update)(grads, state, params)
+  changed = [
+      jax.tree_util.keystr(path)
+      for (path, before), after in zip(
+          jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(updated)
+      )
+      if not after.sharding.is_equivalent_to(before.sharding, before.ndim)
+  ]
+  state = updated
+  per_device = per_device_bytes(state)
+  total = state_nbytes(state)
+  return {
+      "devices": n_devices,
+      "mesh": dict(zip(MESH_AXES, mesh_shape(n_devices))),
+      "total_bytes": total,
+      "max_device_bytes": max(per_device.values()),
+      "split_like_params_bytes": split_like_params_bytes(state, params, shardings),
+      "under_split_leaves": under_split_leaves(state, params, shardings, 0.01 * total),
+      "sharding_changed_by_update": changed,
+  }
+
+
+def _measure_all(model: str, names: Sequence[str], n_devices: int) -> list[dict[str, Any]]:
+  params = shapes.params(model)
+  rows = []
+  for name in names:
+    row = measure(optimizers.get(name).build(1e-3, shapes.MODELS[model]), params, n_devices)
+    rows.append({"optimizer": name, "model": model, "n_params": shapes.count(params), **row})
+  return rows
+
+
+def _run_with_devices(model: str, names: Sequence[str], n_devices: int) -> list[dict[str, Any]]:
+  env = dict(
+      os.environ,
+      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}",
+      JAX_PLATFORMS="cpu",
+  )
+  command = [sys.executable, "-m", "benchmarks.sharding", "--model", model, "--devices", str(n_devices),
+             "--optimizers", *names, "--worker"]
+  done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise RuntimeError(f"{n_devices} devices failed:\n{done.stderr[-4000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="10M")
+  parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS))
+  parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICE_COUNTS))
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args.worker:
+    (n_devices,) = args.devices
+    print(json.dumps(_measure_all(args.model, args.optimizers, n_devices)))
+    return
+
+  rows = []
+  for n_devices in args.devices:
+    rows += _run_with_devices(args.model, args.optimizers, n_devices)
+  by_name = {(r["optimizer"], r["devices"]): r for r in rows}
+  last = args.devices[-1]
+  print(f"Largest per-device optimizer state in MB, {args.model} model ({rows[0]['n_params']:,}"
+        " parameters, fp32); (fsdp, tp) mesh " + ", ".join(f"{mesh_shape(n)}" for n in args.devices)
+        + "; vectors replicated.")
+  print("| optimizer | total MB | " + " | ".join(f"{n} device{'s' * (n > 1)}" for n in args.devices)
+        + f" | {last} devices / (total / {last}) | {last} devices / split like params"
+        + f" | under-split leaves at {last} |")
+  print("|---" * (len(args.devices) + 5) + "|")
+  for name in args.optimizers:
+    cells = [f"{by_name[name, n]['max_device_bytes'] / 1e6:.3f}" for n in args.devices]
+    row = by_name[name, last]
+    print(f"| {name} | {row['total_bytes'] / 1e6:.3f} | " + " | ".join(cells)
+          + f" | {row['max_device_bytes'] * last / row['total_bytes']:.3f}"
+          + f" | {row['max_device_bytes'] / row['split_like_params_bytes']:.3f}"
+          + f" | {len(row['under_split_leaves'])} |")
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "sharding.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,111 @@
+"""Every optimizer under JAX's SPMD partitioner on 8 CPU devices.
+
+``tests/sharding_check.py`` runs in a separate process (the device count is
+fixed when JAX starts) and reports, per optimizer of the registry: the
+sharded run against the single-device run, the state's shardings before and
+after the jitted steps, the per-device state bytes, and a single-device
+checkpoint restored into the sharded layout. The tests here assert on that
+report, one test per property and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.optimizer_cases import CASES
+
+NAMES = sorted(CASES)
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+# Float leaves may differ by the rounding of reductions split across devices
+# (Adam-mini's block means, factored statistics): a few fp32 ulps of the
+# leaf's largest entry, or one rounding step of a low-precision stored value.
+FLOAT_TOLERANCE = 1e-5
+# Per-device state may exceed an even split like the parameters' by the tiny
+# leaves a method keeps per tensor or per row (counts, statistics).
+BYTES_TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+  env = dict(
+      os.environ,
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+      JAX_PLATFORMS="cpu",
+      PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
+  )
+  done = subprocess.run(
+      [sys.executable, "-m", "tests.sharding_check", *NAMES],
+      cwd=REPOSITORY,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  if done.returncode:
+    pytest.fail(f"tests/sharding_check.py failed:\n{done.stderr[-6000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def result(report: dict, name: str) -> dict:
+  if "error" in report[name]:
+    pytest.fail(f"{name} raised on the 8-device mesh:\n{report[name]['error']}")
+  return report[name]
+
+
+def mismatches(rows: list[dict]) -> list[dict]:
+  """Leaves beyond float rounding, or with any integer code or finiteness changed."""
+  return [
+      row
+      for row in rows
+      if row.get("mismatched", 0)
+      or row.get("non_finite_mismatch", False)
+      or row.get("relative", 0.0) > max(FLOAT_TOLERANCE, 2 * row.get("eps", 0.0))
+  ]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sharded_steps_equal_single_device_steps(report, name):
+  run = result(report, name)
+  assert not mismatches(run["param_differences"]), mismatches(run["param_differences"])
+  assert not mismatches(run["state_differences"]), mismatches(run["state_differences"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jitted_update_keeps_state_sharding(report, name):
+  run = result(report, name)
+  assert run["state_sharding_changes"] == []
+  assert run["param_sharding_changes"] == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_is_split_over_devices_like_its_parameters(report, name):
+  run = result(report, name)
+  per_device = np.asarray(run["per_device_state_bytes"])
+  # The matrices hold 99.7% of the parameters and are split 8 ways; vectors
+  # are replicated and so is their state. No leaf may be split more coarsely
+  # than its parameter (a replicated copy of a parameter-sized buffer).
+  assert run["under_split_leaves"] == [], (
+      f"leaves split more coarsely than their parameters: {run['under_split_leaves']}"
+  )
+  assert per_device.max() <= (1 + BYTES_TOLERANCE) * run["split_like_params_bytes"], (
+      f"per-device state bytes {per_device.tolist()} against an even split like the"
+      f" parameters' of {run['split_like_params_bytes']:.0f} (total"
+      f" {run['total_state_bytes']})"
+  )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_restores_into_sharded_layout(report, name):
+  run = result(report, name)
+  assert run["restored_bitwise_equal"]
+  assert run["restored_sharding_changes"] == []
+  assert not mismatches(run["resumed_param_differences"])
+  assert not mismatches(run["resumed_state_differences"])
