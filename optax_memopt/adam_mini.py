@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_memopt import hyperparameters
+
 # The reference's name fragments (adam-mini 1.1.1), matched by substring in the
 # lowercased parameter name, first rule that matches wins.
 _TORCH_ELEMENT_NAMES = ("bias",)
@@ -557,6 +559,12 @@ class ScaleByAdamMiniState(NamedTuple):
   nu: optax.Updates
 
 
+def _second_moment_dtype(leaf) -> jnp.dtype:
+  """Real, and at least float32: the parameter's precision, never bf16's."""
+  real = jnp.finfo(jnp.result_type(leaf)).dtype
+  return jnp.promote_types(real, jnp.float32)
+
+
 def _interleaved(shape, block_shape):
   """``shape`` with each axis cut into (blocks, elements per block)."""
   return tuple(
@@ -647,11 +655,9 @@ def scale_by_adam_mini(
     Zhang et al., `Adam-mini: Use Fewer Learning Rates To Gain More
     <https://arxiv.org/abs/2406.16793>`_, ICLR 2025.
   """
-  for name, value in (("b1", b1), ("b2", b2)):
-    if isinstance(value, (int, float)) and not 0.0 <= value < 1.0:
-      raise ValueError(f"Adam-mini: {name} must lie in [0, 1); got {value}.")
-  if isinstance(eps, (int, float)) and eps < 0.0:
-    raise ValueError(f"Adam-mini: eps must be >= 0; got {eps}.")
+  hyperparameters.check_decay_rate("b1", b1)
+  hyperparameters.check_decay_rate("b2", b2)
+  hyperparameters.check_non_negative("eps", eps)
   _check_head_counts(n_heads, n_kv_heads)
   _rule_entries(rules)
   _stacked_names(stacked_modules)
@@ -664,7 +670,7 @@ def scale_by_adam_mini(
     )
     leaves = jax.tree.leaves(params)
     nu = partition.treedef.unflatten([
-        jnp.zeros(row.block_shape, jnp.promote_types(jnp.result_type(leaf), jnp.float32))
+        jnp.zeros(row.block_shape, _second_moment_dtype(leaf))
         for row, leaf in zip(partition.rows, leaves)
     ])
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
@@ -678,9 +684,11 @@ def scale_by_adam_mini(
       dtype = v.dtype
       t = count.astype(dtype)
       beta1, beta2 = jnp.asarray(b1, dtype), jnp.asarray(b2, dtype)
-      g_wide = g.astype(dtype)
-      m_new = beta1 * m.astype(dtype) + (1 - beta1) * g_wide
-      v_new = beta2 * v + (1 - beta2) * _block_mean(g_wide * g_wide, v.shape)
+      # Complex parameters keep their phase in m; v averages |g|^2.
+      g_wide = g.astype(jnp.promote_types(g.dtype, dtype))
+      m_new = beta1 * m.astype(g_wide.dtype) + (1 - beta1) * g_wide
+      squares = jnp.real(g_wide * jnp.conj(g_wide))
+      v_new = beta2 * v + (1 - beta2) * _block_mean(squares, v.shape)
       root = jnp.sqrt(v_new) / jnp.sqrt(1 - beta2**t) + jnp.asarray(eps, dtype)
       direction = _broadcast_divide(m_new / (1 - beta1**t), root)
       return direction.astype(g.dtype), m_new.astype(m.dtype), v_new
@@ -765,6 +773,8 @@ def adam_mini(
     Zhang et al., `Adam-mini: Use Fewer Learning Rates To Gain More
     <https://arxiv.org/abs/2406.16793>`_, ICLR 2025.
   """
+  hyperparameters.check_learning_rate(learning_rate)
+  hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
       scale_by_adam_mini(
           b1, b2, eps, rules=rules, n_heads=n_heads, n_kv_heads=n_kv_heads,

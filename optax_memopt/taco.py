@@ -53,13 +53,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
-import operator
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from optax_memopt import hyperparameters
 
 from pallas_kernels import _backend
 from pallas_kernels.column_select import column_select
@@ -150,24 +150,6 @@ class ScaleByTacoState(NamedTuple):
   momentum: optax.Updates
   # shape=(*batch_shape, n_in, min(slots, 1)), dtype=jnp.bfloat16: a power of two.
   scale: optax.Updates
-
-
-def _check_k(k: Any) -> int:
-  if isinstance(k, bool):
-    raise ValueError(f"k must be an int >= 0; got {k!r}.")
-  try:
-    k = operator.index(k)
-  except TypeError:
-    raise ValueError(f"k must be an int >= 0; got {k!r}.") from None
-  if k < 0:
-    raise ValueError(f"k must be an int >= 0 (0 is stateless TACO); got {k}.")
-  return k
-
-
-def _check_beta(beta: Any) -> None:
-  # Traced or array values (inject_hyperparams) cannot be checked eagerly.
-  if isinstance(beta, numbers.Real) and not 0 <= beta < 1:
-    raise ValueError(f"beta must be in [0, 1); got {beta}.")
 
 
 def _power_of_two_at_least(x: jax.Array) -> jax.Array:
@@ -278,8 +260,8 @@ def scale_by_taco(
     Jiang et al., "TACO: Ternary Absolute-max Column-wise One-sparse Optimizer
     for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
   """
-  k = _check_k(k)
-  _check_beta(beta)
+  k = hyperparameters.check_int("k", k, 0, hint=" (0 is stateless TACO)")
+  hyperparameters.check_decay_rate("beta", beta)
   _backend.resolve_implementation(implementation)  # Validates eagerly.
 
   def init_leaf(path, param):
@@ -300,6 +282,8 @@ def scale_by_taco(
 
   def update_leaf(path, grad, index, codes, scale):
     batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, grad), path, grad)
+    if grad.size == 0:  # No row to select from, and n_out / n_in is undefined.
+      return jnp.zeros_like(grad), index, codes, scale
     slots = index.shape[-1]
     rows = math.prod(batch_shape) * n_in
     decay = jnp.asarray(beta, jnp.float32)
@@ -487,6 +471,8 @@ def taco(
 
   else:
     _checked_labels(labels)
+  hyperparameters.check_learning_rate(learning_rate)
+  hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
       optax.partition(
           {
