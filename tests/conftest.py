@@ -9,3 +9,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+# A script run in its own process with 8 virtual devices (tests/test_sharding.py);
+# importing it here would set the device-count flag in the test process.
+collect_ignore = ["sharding_check.py"]

@@ -50,6 +50,7 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 from benchmarks import sharding as layout  # noqa: E402
+import optax_memopt  # noqa: E402
 from optax_memopt import state_nbytes  # noqa: E402
 from tests.optimizer_cases import CASES  # noqa: E402
 
@@ -168,7 +169,7 @@ def check(name: str, workdir: str) -> dict:
   param_shardings = layout.param_shardings(host_params, mesh)
   params = jax.device_put(host_params, param_shardings)
   abstract_state = jax.eval_shape(optimizer.init, params)
-  state_shardings = layout.state_shardings(abstract_state, params, param_shardings, mesh)
+  state_shardings = optax_memopt.state_shardings(abstract_state, params, param_shardings, mesh)
   state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
   initial_state = state
   sharded_grads = [jax.device_put(g, param_shardings) for g in gradients]

@@ -1,0 +1,142 @@
+"""Optimizer states laid out like the parameters they belong to.
+
+Compressed states are not shaped like their parameters (flat packed codes,
+rings of sparse entries, per-block statistics), so ``jax.jit`` cannot guess
+their shardings from the parameters'. :func:`state_shardings` gives each
+state leaf a sharding that follows its parameter's, for the ``out_shardings``
+of ``jax.jit(optimizer.init)`` and of a train step, or a checkpoint restore's
+target.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """Shards a leaf over as many devices as its shape allows, without padding.
+
+  Mesh axes, largest first, each go to the dimension with the most elements
+  left per shard among those they divide. A flat block-major buffer
+  (MicroAdam's 4-bit codes, its ``(window, n_blocks * k)`` ring) is thereby
+  cut into contiguous runs of elements; where the mesh does not divide the
+  long axis, a remaining mesh axis may go to a short one (the ring's window).
+  """
+  assigned: list[list[str]] = [[] for _ in shape]
+  per_shard = list(shape)
+  for axis in sorted(mesh.axis_names, key=lambda a: -mesh.shape[a]):
+    size = mesh.shape[axis]
+    divisible = [d for d in range(len(shape)) if size > 1 and per_shard[d] % size == 0]
+    if divisible:
+      dim = max(divisible, key=lambda d: per_shard[d])
+      assigned[dim].append(axis)
+      per_shard[dim] //= size
+  return PartitionSpec(*(tuple(a) if len(a) > 1 else (a[0] if a else None) for a in assigned))
+
+
+def _key_name(key: Any) -> Any:
+  for attribute in ("key", "name", "idx"):
+    if hasattr(key, attribute):
+      return getattr(key, attribute)
+  return str(key)
+
+
+def _keys(path: Sequence[Any]) -> tuple:
+  return tuple(_key_name(k) for k in path)
+
+
+def _last_match(path: tuple, part: tuple) -> int:
+  """Where ``part`` last occurs in ``path`` after its first key, or -1.
+
+  A state's own container (a chain's index, a state field) always comes
+  first, so a parameter path never starts a state leaf's path.
+  """
+  starts = [i for i in range(1, len(path) - len(part) + 1) if path[i : i + len(part)] == part]
+  return starts[-1] if starts else -1
+
+
+def owners(state: Any, params: Any) -> Any:
+  """For each state leaf, the index in ``jax.tree.leaves(params)`` of its parameter, or -1.
+
+  A state leaf belongs to the parameter whose path its own path holds
+  (``[0].mu['dense']['kernel']`` to ``['dense']['kernel']``): the longest such
+  path, and of equally long ones the last in the leaf's path. Step counts and
+  PRNG keys belong to none.
+  """
+  param_paths = [
+      (_keys(path), index)
+      for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+  ]
+
+  def owner(path, _):
+    keys = _keys(path)
+    matches = [
+        (len(param_path), _last_match(keys, param_path), index)
+        for param_path, index in param_paths
+        if _last_match(keys, param_path) >= 0
+    ]
+    return max(matches)[2] if matches else -1
+
+  return jax.tree_util.tree_map_with_path(owner, state)
+
+
+def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
+  """Shardings for an optimizer state that follow the parameters' shardings.
+
+  Each state leaf is placed after its parameter (see :func:`owners`):
+
+  * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
+    sharding, so elementwise updates need no communication;
+  * the parameter is replicated: replicated;
+  * some axes the same size as the parameter's at the same position (keep-dims
+    per-block statistics, per-row buffers): those axes sharded as the
+    parameter's, the rest replicated;
+  * no axis in common (flat packed codes, rings of sparse entries): cut by
+    :func:`split_spec` over the whole mesh.
+
+  Leaves of no parameter (step counts, PRNG keys) are replicated.
+
+  Args:
+    state: the state or its ``jax.eval_shape``.
+    params: the parameters or their ``jax.eval_shape``.
+    shardings: the parameters' ``NamedSharding``, a tree like ``params``.
+    mesh: the mesh of ``shardings``.
+
+  Returns:
+    A tree like ``state`` of ``NamedSharding``, for ``out_shardings`` of
+    ``jax.jit(optimizer.init)`` and of the train step, or the ``target`` of a
+    checkpoint restore.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("fsdp",))
+    >>> params = {"w": jnp.zeros((8, 4))}
+    >>> shardings = {"w": NamedSharding(mesh, P("fsdp"))}
+    >>> state = jax.eval_shape(optax.adam(1e-3).init, params)
+    >>> state_shardings(state, params, shardings, mesh)[0].mu["w"] == shardings["w"]
+    True
+  """
+  param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def place(leaf, index):
+    if index < 0:
+      return replicated
+    param, sharding = param_leaves[index]
+    shape = tuple(param.shape)
+    if tuple(leaf.shape) == shape:
+      return sharding
+    if sharding.is_fully_replicated:
+      return replicated
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
+      return NamedSharding(
+          mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
+      )
+    return NamedSharding(mesh, split_spec(leaf.shape, mesh))
+
+  return jax.tree.map(place, state, owners(state, params))
