@@ -197,22 +197,59 @@ def _packing_args(bits: int) -> dict[str, int]:
 # -- XLA (the reference) ------------------------------------------------------
 
 
+def _row_planes(
+    values: jax.Array, stats: tuple[jax.Array, ...], bucket_size: int, bits: int
+) -> list[tuple[jax.Array, tuple[jax.Array, ...]]]:
+  """The planes of every packed row of flat ``values``, each with its buckets' stats.
+
+  ``values`` holds whole packed rows (``8 // bits`` planes of 128) and whole
+  buckets, ``stats`` one value per bucket. Encoding plane by plane and
+  combining the planes is the packed layout directly, and cheaper in XLA
+  than encoding every element and then slicing out the planes.
+  """
+  planes = 8 // bits
+  width = packing.PLANE_WIDTH
+  if bucket_size >= planes * width:
+    rows = values.reshape(-1, bucket_size // (planes * width), planes, width)
+    return [(rows[:, :, p], tuple(s[:, None, None] for s in stats)) for p in range(planes)]
+  rows = values.reshape(-1, planes, width // bucket_size, bucket_size)
+  stats = tuple(s.reshape(-1, planes, width // bucket_size, 1) for s in stats)
+  return [(rows[:, p], tuple(s[:, p] for s in stats)) for p in range(planes)]
+
+
+def _planes_to_packed(planes: list[jax.Array], size: int, bits: int) -> jax.Array:
+  """Codes of whole rows, plane by plane, to ``packing.pack``'s bytes of the first ``size``."""
+  width = packing.PLANE_WIDTH
+  full_rows, tail = divmod(size, len(planes) * width)
+  packed = packing.combine_planes(planes, 2**bits).reshape(-1)[: full_rows * width]
+  if not tail:
+    return packed
+  last = jnp.stack([p.reshape(-1, width)[full_rows] for p in planes]).reshape(-1)[:tail]
+  return jnp.concatenate([packed, packing.pack(last.astype(jnp.uint8), **_packing_args(bits))])
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "stats_dtype"))
 def _quantize_xla(x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.dtype) -> QuantizedArray:
   flat = x.reshape(-1).astype(jnp.float32)
   n_buckets = num_buckets(flat.size, bucket_size)
-  # Repeating the last element keeps the last bucket's min and max.
-  buckets = jnp.pad(flat, (0, n_buckets * bucket_size - flat.size), mode="edge")
-  buckets = buckets.reshape(n_buckets, bucket_size)
+  # Whole buckets and whole rows (bucket sizes divide a row or are rows).
+  # Repeating the last element keeps the last bucket's min and max; the
+  # statistics of whole buckets of padding and the codes of the padding are
+  # dropped.
+  padding = -flat.size % max(bucket_size, ROW)
+  padded = jnp.pad(flat, (0, padding), mode="edge") if padding else flat
+  buckets = padded.reshape(-1, bucket_size)
   minimum = _round_outward(buckets.min(axis=1), stats_dtype, upward=False)
   maximum = _round_outward(buckets.max(axis=1), stats_dtype, upward=True)
   inverse_step = _inverse_step(_step(minimum, maximum, bits))
-  codes = _encode(buckets, minimum[:, None], inverse_step[:, None], bits)
-  codes = codes.reshape(-1)[: flat.size].astype(jnp.uint8)
+  planes = [
+      _encode(plane, low, inverse, bits)
+      for plane, (low, inverse) in _row_planes(padded, (minimum, inverse_step), bucket_size, bits)
+  ]
   return QuantizedArray(
-      packing.pack(codes, **_packing_args(bits)),
-      minimum.astype(stats_dtype),
-      maximum.astype(stats_dtype),
+      _planes_to_packed(planes, flat.size, bits),
+      minimum[:n_buckets].astype(stats_dtype),
+      maximum[:n_buckets].astype(stats_dtype),
   )
 
 
