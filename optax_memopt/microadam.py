@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_memopt import hyperparameters
+
 from pallas_kernels import _backend
 from pallas_kernels import microadam_update as update_kernel
 from pallas_kernels import quantize as quantize_kernel
@@ -52,23 +54,16 @@ def _keep_per_block(block_size: int, density: float) -> int:
   return min(block_size, max(1, math.ceil(round(block_size * density, 9))))
 
 
-def _check_int(name: str, value, low: int, high: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-    raise ValueError(f"{name} must be an int in [{low}, {high}]; got {value!r}.")
-
-
 def _check_hyperparameters(
     b1, b2, eps, window, density, block_size, bucket_size, implementation
 ) -> None:
-  for name, value in (("b1", b1), ("b2", b2)):
-    if isinstance(value, (int, float)) and not 0 <= value < 1:
-      raise ValueError(f"{name} must be in [0, 1); got {value}.")
-  if isinstance(eps, (int, float)) and not eps >= 0:
-    raise ValueError(f"eps must be >= 0; got {eps}.")
-  _check_int("window", window, 1, 2**31 - 1)
+  hyperparameters.check_decay_rate("b1", b1)
+  hyperparameters.check_decay_rate("b2", b2)
+  hyperparameters.check_non_negative("eps", eps)
+  hyperparameters.check_int("window", window, 1, 2**31 - 1)
   if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
     raise ValueError(f"density must be a number in (0, 1]; got {density!r}.")
-  _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+  hyperparameters.check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
   quantize_kernel.num_buckets(0, bucket_size)
   _backend.resolve_implementation(implementation)
@@ -189,12 +184,17 @@ def scale_by_microadam(
 
   def init_fn(params):
     def empty_error(leaf):
-      return quantize_kernel.quantize(
-          jnp.zeros((leaf.size,), jnp.float32),
-          bits=ERROR_BITS,
-          bucket_size=bucket_size,
-          stats_dtype=jnp.bfloat16,
-          implementation=implementation,
+      if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+        raise ValueError(
+            f"microadam supports real floating parameters; got a {leaf.dtype} leaf of shape"
+            f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
+        )
+      # What quantizing zeros gives (constant buckets: code 0, min = max = 0),
+      # built directly rather than computed.
+      return quantize_kernel.QuantizedArray(
+          codes=jnp.zeros((math.ceil(leaf.size * ERROR_BITS / 8),), jnp.uint8),
+          minimum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
+          maximum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
       )
 
     return ScaleByMicroAdamState(
@@ -319,6 +319,8 @@ def microadam(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
+  hyperparameters.check_learning_rate(learning_rate)
+  hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
       scale_by_microadam(
           b1,
