@@ -82,6 +82,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_memopt import hyperparameters
+
 from pallas_kernels import _backend
 from pallas_kernels import ternary
 from pallas_kernels.ternary_adam_update import ternary_adam_update
@@ -113,17 +115,11 @@ class ScaleByTernaryAdamState(NamedTuple):
   nu: optax.Updates
 
 
-def _check_rate(name: str, value: Any) -> None:
-  if isinstance(value, (int, float)) and not 0 <= value < 1:
-    raise ValueError(f"{name} must be in [0, 1); got {value}.")
-
-
 def _check_hyperparameters(b1, b2, eps, block_size, min_size, packing) -> None:
   """Eager checks; floats only when they are Python numbers (they may be traced)."""
-  _check_rate("b1", b1)
-  _check_rate("b2", b2)
-  if isinstance(eps, (int, float)) and not eps >= 0:
-    raise ValueError(f"eps must be >= 0; got {eps}.")
+  hyperparameters.check_decay_rate("b1", b1)
+  hyperparameters.check_decay_rate("b2", b2)
+  hyperparameters.check_non_negative("eps", eps)
   if isinstance(block_size, bool) or not isinstance(block_size, int):
     raise ValueError(
         f"block_size must be a Python int (list it in inject_hyperparams'"
@@ -167,6 +163,9 @@ def _is_factored(leaf: jax.Array, min_size: int) -> bool:
 def _rebuild(nu: FactoredSecondMoment) -> jax.Array:
   """``outer(row, col) / mean(row)`` over the last two axes."""
   row_mean = jnp.mean(nu.row, axis=-1, keepdims=True)
+  # An infinite statistic would rebuild finite rows as 0 (x / inf), whose
+  # steps are then m / eps: huge and finite. Make the fault visible instead.
+  row_mean = jnp.where(jnp.isfinite(row_mean), row_mean, jnp.nan)
   return (nu.row / row_mean)[..., :, None] * nu.col[..., None, :]
 
 
@@ -386,6 +385,8 @@ def ternary_adam(
     Loshchilov and Hutter, "Decoupled Weight Decay Regularization", 2019
     (https://arxiv.org/abs/1711.05101).
   """
+  hyperparameters.check_learning_rate(learning_rate)
+  hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
       scale_by_ternary_adam(
           b1=b1,

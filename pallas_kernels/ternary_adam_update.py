@@ -89,7 +89,9 @@ def _direction(
     m: jax.Array, nu: jax.Array, bias_correction_1, bias_correction_2, eps
 ) -> jax.Array:
   nu_hat = nu / bias_correction_2
-  root = jnp.where(nu_hat > 0, nu_hat * lax.rsqrt(nu_hat), 0.0)
+  # sqrt as x * rsqrt(x) (Mosaic GPU on JAX 0.10 has no sqrt), 0 where x is;
+  # a NaN second moment stays NaN, so a non-finite gradient shows in the step.
+  root = jnp.where(nu_hat != 0, nu_hat * lax.rsqrt(nu_hat), 0.0)
   return (m / bias_correction_1) / (root + eps)
 
 
