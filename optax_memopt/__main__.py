@@ -34,7 +34,7 @@ def parse_args(argv):
   parser.add_argument("--optimizer", default="microadam", choices=sorted(optimizers.OPTIMIZERS))
   parser.add_argument("--compare", nargs="*", metavar="OPTIMIZER", default=None,
                       help="train each of these optimizers (all when none is named) and compare")
-  parser.add_argument("--steps", type=int, default=1000)
+  parser.add_argument("--steps", type=int, default=4000)
   parser.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--seq-len", type=int, default=64)
