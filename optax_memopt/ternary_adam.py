@@ -125,13 +125,13 @@ def _check_hyperparameters(b1, b2, eps, block_size, min_size, packing) -> None:
         f"block_size must be a Python int (list it in inject_hyperparams'"
         f" static_args); got {block_size!r}."
     )
-  ternary._check_block_size(block_size)
+  ternary.check_block_size(block_size)
   if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
     raise ValueError(
         f"min_size must be a Python int >= 0 (list it in inject_hyperparams'"
         f" static_args); got {min_size!r}."
     )
-  ternary._layout(packing)
+  ternary.packing_layout(packing)
 
 
 def _typed_key(key: int | jax.Array) -> jax.Array:

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
-from pallas_kernels.topk import _as_int, magnitude_key
+from pallas_kernels.topk import as_python_int, magnitude_key
 
 # Threads of a Mosaic GPU warpgroup: a segment is a whole multiple of them.
 _LANES = 128
@@ -307,11 +307,11 @@ def column_select(
     )
   if not jnp.issubdtype(jnp.result_type(tracked_index), jnp.integer):
     raise ValueError(f"tracked_index must be integer; got {jnp.result_type(tracked_index)}.")
-  keep = _as_int(keep, "keep")
+  keep = as_python_int(keep, "keep")
   if not 1 <= keep <= width:
     raise ValueError(f"keep must be in [1, width={width}]; got {keep}.")
   if segment_width is not None:
-    segment_width = _as_int(segment_width, "segment_width")
+    segment_width = as_python_int(segment_width, "segment_width")
     if segment_width % _LANES or segment_width < keep:
       raise ValueError(
           f"segment_width must be a multiple of {_LANES} and at least keep={keep};"

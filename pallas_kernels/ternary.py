@@ -122,7 +122,7 @@ _PACKED_LAYOUTS = {
 _UNPACKED = _Layout(base=3, planes=1)
 
 
-class _Geometry(NamedTuple):
+class ChunkGeometry(NamedTuple):
   """How the kernels cut a flat array: rows of ``planes`` slices, chunks of rows and blocks.
 
   A chunk of ``lcm(block_size, row)`` elements is whole rows and whole blocks.
@@ -148,7 +148,8 @@ class _Geometry(NamedTuple):
     return self.chunk // self.block_size
 
 
-def _check_block_size(block_size: int) -> None:
+def check_block_size(block_size: int) -> None:
+  """Raises ``ValueError`` unless ``block_size`` is 32, 64 or a positive multiple of 128."""
   if (
       isinstance(block_size, bool)
       or not isinstance(block_size, int)
@@ -163,7 +164,8 @@ def _check_block_size(block_size: int) -> None:
     )
 
 
-def _layout(packing_name: str) -> _Layout:
+def packing_layout(packing_name: str) -> _Layout:
+  """The base and planes of packing ``"base3"`` or ``"2bit"``; ``ValueError`` otherwise."""
   if packing_name not in _PACKED_LAYOUTS:
     raise ValueError(f"packing must be one of {PACKINGS}; got {packing_name!r}.")
   return _PACKED_LAYOUTS[packing_name]
@@ -187,7 +189,12 @@ def _stored_shape(size: int, layout: _Layout) -> jax.ShapeDtypeStruct:
 # Math shared by the kernel bodies and the XLA reference.
 
 
-def _uniform_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
+def seed_from_key(key: jax.Array) -> jax.Array:
+  """The uint32 seed of ``counter_hash_bits`` that one call draws from ``key``."""
+  return jax.random.bits(key, (), jnp.uint32)
+
+
+def counter_hash_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
   """The uint32 random bits of elements ``index``: ``triple32(seed ^ index)``.
 
   Plain uint32 multiply, xor and shift (all Mosaic GPU lowers), so the same
@@ -206,7 +213,7 @@ def _uniforms(bits: jax.Array) -> jax.Array:
   return top.astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
-def _ternary_codes(
+def ternary_codes(
     values: jax.Array, scale: jax.Array, bits: jax.Array | None
 ) -> jax.Array:
   """uint32 codes ``t + 1`` of float32 ``values`` in blocks of absmax ``scale``.
@@ -227,7 +234,7 @@ def _trits_from_codes(codes: jax.Array) -> jax.Array:
   return (codes.astype(jnp.int32) - 1).astype(jnp.int8)
 
 
-def _dequantize(codes: jax.Array, scale: jax.Array) -> jax.Array:
+def dequantize_codes(codes: jax.Array, scale: jax.Array) -> jax.Array:
   """``(code - 1) * scale`` in float32."""
   return (codes.astype(jnp.int32) - 1).astype(jnp.float32) * scale
 
@@ -240,7 +247,7 @@ def _scale_per_element(scales: jax.Array, size: int, block_size: int) -> jax.Arr
   return jnp.broadcast_to(scales[:, None], (n_blocks, block_size)).reshape(-1)[:size]
 
 
-def _encode_reference(
+def encode_reference(
     x: jax.Array,
     *,
     block_size: int,
@@ -261,14 +268,14 @@ def _encode_reference(
   bits = None
   if seed is not None:
     index = lax.iota(jnp.uint32, size) + jnp.uint32(index_offset)
-    bits = _uniform_bits(seed, index)
-  codes = _ternary_codes(values, _scale_per_element(scales, size, block_size), bits)
+    bits = counter_hash_bits(seed, index)
+  codes = ternary_codes(values, _scale_per_element(scales, size, block_size), bits)
   if layout == _UNPACKED:
     return _trits_from_codes(codes), scales
   return packing.pack(codes, base=layout.base, planes=layout.planes), scales
 
 
-def _decode_reference(
+def decode_reference(
     stored: jax.Array,
     scales: jax.Array,
     *,
@@ -277,14 +284,15 @@ def _decode_reference(
     layout: _Layout,
     dtype: Any,
 ) -> jax.Array:
+  """Flat ``dtype`` values of ``size`` elements: stored trits times their block scales."""
   codes = packing.unpack(stored, size, base=layout.base, planes=layout.planes)
-  return _dequantize(codes, _scale_per_element(scales, size, block_size)).astype(dtype)
+  return dequantize_codes(codes, _scale_per_element(scales, size, block_size)).astype(dtype)
 
 
 # Mosaic GPU kernels.
 
 
-def _lane_index(interpret: bool) -> jax.Array:
+def lane_indices(interpret: bool) -> jax.Array:
   """``0 .. PLANE_WIDTH - 1`` as uint32, laid out like a loaded 128-slice."""
   lane = lax.broadcasted_iota(jnp.uint32, (PLANE_WIDTH,), 0)
   if interpret:
@@ -296,7 +304,7 @@ def _lane_index(interpret: bool) -> jax.Array:
   return plgpu.layout_cast(lane, plgpu.Layout.WG_STRIDED((PLANE_WIDTH,), vec_size=1))
 
 
-def _repeat(count: int, body: Callable[[Any], None]) -> None:
+def for_each_index(count: int, body: Callable[[Any], None]) -> None:
   """``body(i)`` for ``i`` in ``range(count)``.
 
   A single Python call when ``count == 1``, so that offsets stay static (and
@@ -313,7 +321,7 @@ def _repeat(count: int, body: Callable[[Any], None]) -> None:
   lax.fori_loop(0, count, step, 0)
 
 
-def _select(values: Sequence[jax.Array], index: Any) -> jax.Array:
+def select_scalar(values: Sequence[jax.Array], index: Any) -> jax.Array:
   """``values[index]`` for a static or traced scalar ``index``."""
   if isinstance(index, int):
     return values[index]
@@ -323,8 +331,8 @@ def _select(values: Sequence[jax.Array], index: Any) -> jax.Array:
   return selected
 
 
-def _slice_scale(
-    scales: Sequence[jax.Array], offset: Any, lane: jax.Array, geometry: _Geometry
+def slice_scale(
+    scales: Sequence[jax.Array], offset: Any, lane: jax.Array, geometry: ChunkGeometry
 ) -> jax.Array:
   """The scale of each element of the slice at ``offset`` within a chunk.
 
@@ -332,7 +340,7 @@ def _slice_scale(
   (then the chunk is one row and ``offset`` is static).
   """
   if geometry.block_size >= PLANE_WIDTH:
-    return _select(scales, offset // geometry.block_size)
+    return select_scalar(scales, offset // geometry.block_size)
   first = offset // geometry.block_size
   lane_block = lane // jnp.uint32(geometry.block_size)
   scale = scales[first]
@@ -341,18 +349,19 @@ def _slice_scale(
   return scale
 
 
-def _load(ref, start) -> jax.Array:
+def load_slice(ref, start) -> jax.Array:
+  """The ``PLANE_WIDTH`` elements of ``ref`` from ``start`` on."""
   return ref[pl.ds(start, PLANE_WIDTH)]
 
 
-def _chunk_absmax(x_ref, start, lane: jax.Array, geometry: _Geometry) -> list[jax.Array]:
+def chunk_absmax(x_ref, start, lane: jax.Array, geometry: ChunkGeometry) -> list[jax.Array]:
   """The absmax of each block of the chunk that begins at element ``start``."""
   block_size = geometry.block_size
   if block_size >= PLANE_WIDTH:
 
     def block_absmax(block_start):
       def slice_max(i, running):
-        values = _load(x_ref, block_start + i * PLANE_WIDTH).astype(jnp.float32)
+        values = load_slice(x_ref, block_start + i * PLANE_WIDTH).astype(jnp.float32)
         return jnp.maximum(running, jnp.max(jnp.abs(values)))
 
       return lax.fori_loop(0, block_size // PLANE_WIDTH, slice_max, jnp.float32(0))
@@ -362,7 +371,7 @@ def _chunk_absmax(x_ref, start, lane: jax.Array, geometry: _Geometry) -> list[ja
   lane_block = lane // jnp.uint32(block_size)
   maxima = []
   for s in range(geometry.chunk // PLANE_WIDTH):
-    magnitude = jnp.abs(_load(x_ref, start + s * PLANE_WIDTH).astype(jnp.float32))
+    magnitude = jnp.abs(load_slice(x_ref, start + s * PLANE_WIDTH).astype(jnp.float32))
     for j in range(PLANE_WIDTH // block_size):
       maxima.append(jnp.max(jnp.where(lane_block == j, magnitude, 0.0)))
   return maxima
@@ -370,7 +379,7 @@ def _chunk_absmax(x_ref, start, lane: jax.Array, geometry: _Geometry) -> list[ja
 
 def _encode_kernel(
     *refs,
-    geometry: _Geometry,
+    geometry: ChunkGeometry,
     layout: _Layout,
     chunks_per_step: int,
     stochastic: bool,
@@ -383,13 +392,13 @@ def _encode_kernel(
   else:
     x_ref, stored_ref, scales_ref = refs
     seed = None
-  lane = _lane_index(interpret)
+  lane = lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
 
   def encode_chunk(i):
     chunk = first_chunk + i
     start = chunk * geometry.chunk
-    scales = _chunk_absmax(x_ref, start, lane, geometry)
+    scales = chunk_absmax(x_ref, start, lane, geometry)
     for k, scale in enumerate(scales):
       scales_ref[chunk * geometry.blocks_per_chunk + k] = scale
 
@@ -397,12 +406,12 @@ def _encode_kernel(
       codes = []
       for plane in range(layout.planes):
         offset = row * geometry.row + plane * PLANE_WIDTH
-        values = _load(x_ref, start + offset).astype(jnp.float32)
+        values = load_slice(x_ref, start + offset).astype(jnp.float32)
         bits = None
         if seed is not None:
-          bits = _uniform_bits(seed, (start + offset).astype(jnp.uint32) + lane)
-        scale = _slice_scale(scales, offset, lane, geometry)
-        codes.append(_ternary_codes(values, scale, bits))
+          bits = counter_hash_bits(seed, (start + offset).astype(jnp.uint32) + lane)
+        scale = slice_scale(scales, offset, lane, geometry)
+        codes.append(ternary_codes(values, scale, bits))
       if layout == _UNPACKED:
         trits = _trits_from_codes(codes[0])
         stored_ref[pl.ds(start + row * PLANE_WIDTH, PLANE_WIDTH)] = trits
@@ -410,9 +419,9 @@ def _encode_kernel(
         byte = chunk * (geometry.chunk // layout.planes) + row * PLANE_WIDTH
         stored_ref[pl.ds(byte, PLANE_WIDTH)] = packing.combine_planes(codes, layout.base)
 
-    _repeat(geometry.rows_per_chunk, encode_row)
+    for_each_index(geometry.rows_per_chunk, encode_row)
 
-  _repeat(chunks_per_step, encode_chunk)
+  for_each_index(chunks_per_step, encode_chunk)
 
 
 def _decode_kernel(
@@ -420,13 +429,13 @@ def _decode_kernel(
     scales_ref,
     out_ref,
     *,
-    geometry: _Geometry,
+    geometry: ChunkGeometry,
     layout: _Layout,
     chunks_per_step: int,
     interpret: bool,
 ) -> None:
   """Per chunk: load the block scales, unpack each row's planes, scale them."""
-  lane = _lane_index(interpret)
+  lane = lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
 
   def decode_chunk(i):
@@ -437,25 +446,25 @@ def _decode_kernel(
 
     def decode_row(row):
       byte = chunk * (geometry.chunk // layout.planes) + row * PLANE_WIDTH
-      codes = packing.split_planes(_load(stored_ref, byte), layout.base, layout.planes)
+      codes = packing.split_planes(load_slice(stored_ref, byte), layout.base, layout.planes)
       for plane, plane_codes in enumerate(codes):
         offset = row * geometry.row + plane * PLANE_WIDTH
-        scale = _slice_scale(scales, offset, lane, geometry)
-        values = _dequantize(plane_codes, scale)
+        scale = slice_scale(scales, offset, lane, geometry)
+        values = dequantize_codes(plane_codes, scale)
         out_ref[pl.ds(start + offset, PLANE_WIDTH)] = values.astype(out_ref.dtype)
 
-    _repeat(geometry.rows_per_chunk, decode_row)
+    for_each_index(geometry.rows_per_chunk, decode_row)
 
-  _repeat(chunks_per_step, decode_chunk)
+  for_each_index(chunks_per_step, decode_chunk)
 
 
-def _default_chunks_per_step(full_chunks: int, geometry: _Geometry) -> int:
+def _default_chunks_per_step(full_chunks: int, geometry: ChunkGeometry) -> int:
   most = max(1, _MAX_STEP_ELEMENTS // geometry.chunk)
   return max(1, min(most, full_chunks // _MIN_GRID_STEPS))
 
 
-def _kernel_extent(
-    size: int, geometry: _Geometry, chunks_per_step: int | None
+def grid_extent(
+    size: int, geometry: ChunkGeometry, chunks_per_step: int | None
 ) -> tuple[int, int]:
   """(grid steps, chunks per step) of the kernel part of ``size`` elements."""
   full_chunks = size // geometry.chunk
@@ -475,10 +484,10 @@ def _encode_pallas(
 ) -> tuple[jax.Array, jax.Array]:
   """The encode kernel on whole grid steps of chunks, XLA on the rest."""
   size = x.shape[0]
-  geometry = _Geometry(block_size, layout.planes)
-  steps, chunks_per_step = _kernel_extent(size, geometry, chunks_per_step)
+  geometry = ChunkGeometry(block_size, layout.planes)
+  steps, chunks_per_step = grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
-    return _encode_reference(x, block_size=block_size, layout=layout, seed=seed)
+    return encode_reference(x, block_size=block_size, layout=layout, seed=seed)
   if x.dtype not in _KERNEL_INPUT_DTYPES:
     x = x.astype(jnp.float32)
   kernel = _backend.mosaic_gpu_kernel(
@@ -502,7 +511,7 @@ def _encode_pallas(
   stored, scales = kernel(*inputs)
   done = steps * chunks_per_step * geometry.chunk
   if done < size:
-    tail_stored, tail_scales = _encode_reference(
+    tail_stored, tail_scales = encode_reference(
         x[done:], block_size=block_size, layout=layout, seed=seed, index_offset=done
     )
     # In place: the kernel's outputs have no other use.
@@ -523,10 +532,10 @@ def _decode_pallas(
     chunks_per_step: int | None = None,
 ) -> jax.Array:
   """The decode kernel on whole grid steps of chunks, XLA on the rest."""
-  geometry = _Geometry(block_size, layout.planes)
-  steps, chunks_per_step = _kernel_extent(size, geometry, chunks_per_step)
+  geometry = ChunkGeometry(block_size, layout.planes)
+  steps, chunks_per_step = grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
-    return _decode_reference(
+    return decode_reference(
         stored, scales, size=size, block_size=block_size, layout=layout, dtype=dtype
     )
   kernel = _backend.mosaic_gpu_kernel(
@@ -545,7 +554,7 @@ def _decode_pallas(
   values = kernel(stored, scales)
   done = steps * chunks_per_step * geometry.chunk
   if done < size:
-    tail = _decode_reference(
+    tail = decode_reference(
         stored[done // layout.planes :],
         scales[done // block_size :],
         size=size - done,
@@ -570,9 +579,9 @@ def _encode(
     implementation: str,
 ) -> tuple[jax.Array, jax.Array]:
   x = x.reshape(-1)
-  seed = None if key is None else jax.random.bits(key, (), jnp.uint32)
+  seed = None if key is None else seed_from_key(key)
   if implementation == "xla":
-    return _encode_reference(x, block_size=block_size, layout=layout, seed=seed)
+    return encode_reference(x, block_size=block_size, layout=layout, seed=seed)
   return _encode_pallas(
       x,
       block_size=block_size,
@@ -596,7 +605,7 @@ def _decode(
     implementation: str,
 ) -> jax.Array:
   if implementation == "xla":
-    return _decode_reference(
+    return decode_reference(
         stored, scales, size=size, block_size=block_size, layout=layout, dtype=dtype
     )
   return _decode_pallas(
@@ -666,8 +675,8 @@ def ternary_encode(
     Wen et al., "TernGrad", 2017 (https://arxiv.org/abs/1705.07878).
   """
   x = _float_input(x, "x")
-  _check_block_size(block_size)
-  layout = _layout(packing)
+  check_block_size(block_size)
+  layout = packing_layout(packing)
   _check_key(key)
   implementation = _backend.resolve_implementation(implementation)
   packed, scales = _encode(
@@ -676,7 +685,8 @@ def ternary_encode(
   return TernaryArray(packed, scales)
 
 
-def _check_stored(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
+def check_ternary_array(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
+  """Raises ``ValueError`` unless ``packed`` (and ``scales``, unless None) fit ``size`` elements."""
   expected = (packing.packed_size(size, layout.planes),)
   if packed.shape != expected or packed.dtype != jnp.uint8:
     raise ValueError(
@@ -723,13 +733,13 @@ def ternary_decode(
     [0.0, -2.0, 0.0]
   """
   _check_size(size)
-  _check_block_size(block_size)
-  layout = _layout(packing)
+  check_block_size(block_size)
+  layout = packing_layout(packing)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a floating dtype; got {dtype!r}.")
   implementation = _backend.resolve_implementation(implementation)
   packed, scales = (jnp.asarray(a) for a in t)
-  _check_stored(packed, scales, size=size, block_size=block_size, layout=layout)
+  check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
   return _decode(
       packed,
       scales,
@@ -769,7 +779,7 @@ def ternary_round(
     ([1, 0, -1, 1], [1.0])
   """
   x = _float_input(x, "x")
-  _check_block_size(block_size)
+  check_block_size(block_size)
   _check_key(key)
   implementation = _backend.resolve_implementation(implementation)
   return _encode(
@@ -818,7 +828,7 @@ def pack_trits(
       jnp.issubdtype(trits.dtype, jnp.integer) or jnp.issubdtype(trits.dtype, jnp.floating)
   ):
     raise ValueError(f"trits must have an integer or floating dtype; got {trits.dtype}.")
-  layout = _layout(packing)
+  layout = packing_layout(packing)
   implementation = _backend.resolve_implementation(implementation)
   if trits.dtype != jnp.int8:
     trits = trits.astype(jnp.float32)
@@ -861,10 +871,10 @@ def unpack_trits(
     [0, 1, -1, 1, 1, -1]
   """
   _check_size(size)
-  layout = _layout(packing)
+  layout = packing_layout(packing)
   implementation = _backend.resolve_implementation(implementation)
   packed = jnp.asarray(packed)
-  _check_stored(packed, None, size=size, block_size=1, layout=layout)
+  check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
   block_size = _row_block_size(layout)
   ones = jnp.ones((_num_blocks(size, block_size),), jnp.float32)
   return _decode(

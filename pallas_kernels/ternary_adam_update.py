@@ -120,7 +120,7 @@ def _step_reference(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """The step on flat arrays; ``index_offset`` is the global index of ``grad[0]``."""
   size = grad.shape[0]
-  previous = ternary._decode_reference(
+  previous = ternary.decode_reference(
       stored, scales, size=size, block_size=block_size, layout=layout, dtype=jnp.float32
   )
   g = grad.astype(jnp.float32)
@@ -129,7 +129,7 @@ def _step_reference(
   direction = _direction(
       m, new_nu, hyper[_BIAS_CORRECTION_1], hyper[_BIAS_CORRECTION_2], hyper[_EPS]
   ).astype(grad.dtype)
-  new_stored, new_scales = ternary._encode_reference(
+  new_stored, new_scales = ternary.encode_reference(
       m, block_size=block_size, layout=layout, seed=seed, index_offset=index_offset
   )
   return direction, new_stored, new_scales, new_nu if update_nu else None
@@ -142,7 +142,7 @@ class _MomentSlices:
   """Reads like a ref holding one chunk's new first moment.
 
   ``self[pl.ds(offset, PLANE_WIDTH)]`` computes the moment of the slice at
-  ``offset`` within the chunk, so ``ternary._chunk_absmax`` finds the new
+  ``offset`` within the chunk, so ``ternary.chunk_absmax`` finds the new
   block scales without the moment ever being stored.
   """
 
@@ -173,7 +173,7 @@ def _step_kernel(
   bias_correction_1 = hyper_ref[_BIAS_CORRECTION_1]
   bias_correction_2 = hyper_ref[_BIAS_CORRECTION_2]
   seed = seed_ref[0]
-  lane = ternary._lane_index(interpret)
+  lane = ternary.lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
   bytes_per_chunk = geometry.chunk // layout.planes
 
@@ -185,25 +185,26 @@ def _step_kernel(
 
     def stored_codes(row):
       byte = chunk * bytes_per_chunk + row * PLANE_WIDTH
-      return planar.split_planes(ternary._load(stored_ref, byte), layout.base, layout.planes)
+      return planar.split_planes(ternary.load_slice(stored_ref, byte), layout.base, layout.planes)
 
     def load_grad(offset):
-      return ternary._load(grad_ref, start + offset).astype(jnp.float32)
+      return ternary.load_slice(grad_ref, start + offset).astype(jnp.float32)
 
     def moment(offset, codes, grad):
-      scale = ternary._slice_scale(old_scales, offset, lane, geometry)
-      return _first_moment(ternary._dequantize(codes, scale), grad, b1)
+      scale = ternary.slice_scale(old_scales, offset, lane, geometry)
+      return _first_moment(ternary.dequantize_codes(codes, scale), grad, b1)
 
     def moment_at(offset):
       # The plane may be a traced index; Mosaic GPU selects among scalars but
       # not among vectors, so select the plane's place value, not its codes.
       plane = (offset // PLANE_WIDTH) % layout.planes
-      place = ternary._select([jnp.uint32(layout.base**p) for p in range(layout.planes)], plane)
+      place_values = [jnp.uint32(layout.base**p) for p in range(layout.planes)]
+      place = ternary.select_scalar(place_values, plane)
       byte = chunk * bytes_per_chunk + (offset // geometry.row) * PLANE_WIDTH
-      stored = ternary._load(stored_ref, byte).astype(jnp.uint32)
+      stored = ternary.load_slice(stored_ref, byte).astype(jnp.uint32)
       return moment(offset, (stored // place) % jnp.uint32(layout.base), load_grad(offset))
 
-    new_scales = ternary._chunk_absmax(_MomentSlices(moment_at), 0, lane, geometry)
+    new_scales = ternary.chunk_absmax(_MomentSlices(moment_at), 0, lane, geometry)
     for k, scale in enumerate(new_scales):
       new_scales_ref[first_block + k] = scale
 
@@ -214,21 +215,21 @@ def _step_kernel(
         offset = row * geometry.row + plane * PLANE_WIDTH
         grad = load_grad(offset)
         m = moment(offset, codes[plane], grad)
-        nu = ternary._load(nu_ref, start + offset)
+        nu = ternary.load_slice(nu_ref, start + offset)
         if update_nu:
           nu = _second_moment(nu, grad, b2)
           new_nu_ref[pl.ds(start + offset, PLANE_WIDTH)] = nu
         direction = _direction(m, nu, bias_correction_1, bias_correction_2, eps)
         direction_ref[pl.ds(start + offset, PLANE_WIDTH)] = direction.astype(direction_ref.dtype)
-        bits = ternary._uniform_bits(seed, (start + offset).astype(jnp.uint32) + lane)
-        scale = ternary._slice_scale(new_scales, offset, lane, geometry)
-        new_codes.append(ternary._ternary_codes(m, scale, bits))
+        bits = ternary.counter_hash_bits(seed, (start + offset).astype(jnp.uint32) + lane)
+        scale = ternary.slice_scale(new_scales, offset, lane, geometry)
+        new_codes.append(ternary.ternary_codes(m, scale, bits))
       byte = chunk * bytes_per_chunk + row * PLANE_WIDTH
       new_stored_ref[pl.ds(byte, PLANE_WIDTH)] = planar.combine_planes(new_codes, layout.base)
 
-    ternary._repeat(geometry.rows_per_chunk, step_row)
+    ternary.for_each_index(geometry.rows_per_chunk, step_row)
 
-  ternary._repeat(chunks_per_step, step_chunk)
+  ternary.for_each_index(chunks_per_step, step_chunk)
 
 
 def _step_pallas(
@@ -247,8 +248,8 @@ def _step_pallas(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """The kernel on whole grid steps of chunks, the reference on the rest."""
   size = grad.shape[0]
-  geometry = ternary._Geometry(block_size, layout.planes)
-  steps, chunks_per_step = ternary._kernel_extent(size, geometry, chunks_per_step)
+  geometry = ternary.ChunkGeometry(block_size, layout.planes)
+  steps, chunks_per_step = ternary.grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
     return _step_reference(
         grad, stored, scales, nu, seed, hyper,
@@ -317,7 +318,7 @@ def _step(
 ):
   flat_grad = grad.reshape(-1)
   # The seed ternary_encode draws from its key, so both give the same trits.
-  seed = jax.random.bits(key, (), jnp.uint32)
+  seed = ternary.seed_from_key(key)
   hyper = _hyperparameters(count, b1, b2, eps)
   args = (flat_grad, stored, scales, nu.reshape(-1).astype(jnp.float32), seed, hyper)
   options = dict(block_size=block_size, layout=layout, update_nu=update_nu)
@@ -406,12 +407,12 @@ def ternary_adam_update(
   grad = jnp.asarray(grad)
   if not jnp.issubdtype(grad.dtype, jnp.floating):
     raise ValueError(f"grad must have a floating dtype; got {grad.dtype}.")
-  ternary._check_block_size(block_size)
-  layout = ternary._layout(packing)
+  ternary.check_block_size(block_size)
+  layout = ternary.packing_layout(packing)
   if not isinstance(momentum, ternary.TernaryArray):
     raise ValueError(f"momentum must be a TernaryArray; got {type(momentum).__name__}.")
   stored, scales = (jnp.asarray(a) for a in momentum)
-  ternary._check_stored(stored, scales, size=grad.size, block_size=block_size, layout=layout)
+  ternary.check_ternary_array(stored, scales, size=grad.size, block_size=block_size, layout=layout)
   nu = jnp.asarray(nu)
   if nu.size != grad.size or not jnp.issubdtype(nu.dtype, jnp.floating):
     raise ValueError(
@@ -437,7 +438,7 @@ def lowering_examples() -> list[_backend.LoweringExample]:
   key = jax.random.key(0)
 
   def example(name, size, grad_dtype, block_size, packing, update_nu):
-    layout = ternary._layout(packing)
+    layout = ternary.packing_layout(packing)
     grad = jax.ShapeDtypeStruct((size,), grad_dtype)
     momentum = ternary.TernaryArray(
         jax.ShapeDtypeStruct((planar.packed_size(size, layout.planes),), jnp.uint8),

@@ -60,7 +60,8 @@ _MAX_BLOCK_SIZE = 2**31
 _KEY_BITS = 31
 
 
-def _as_int(value, name: str) -> int:
+def as_python_int(value, name: str) -> int:
+  """``value`` as a Python int (bools excluded), or a ``ValueError`` naming ``name``."""
   if isinstance(value, bool):
     raise ValueError(f"{name} must be an int; got {value!r}.")
   try:
@@ -71,13 +72,13 @@ def _as_int(value, name: str) -> int:
 
 def _check_block_params(k: int, block_size: int) -> tuple[int, int]:
   """``(k, block_size)`` as Python ints, or a ``ValueError`` naming the culprit."""
-  block_size = _as_int(block_size, "block_size")
+  block_size = as_python_int(block_size, "block_size")
   if not 1 <= block_size <= _MAX_BLOCK_SIZE:
     raise ValueError(
         f"block_size must be in [1, {_MAX_BLOCK_SIZE}] (block-local indices"
         f" must fit in int32); got {block_size}."
     )
-  k = _as_int(k, "k")
+  k = as_python_int(k, "k")
   if not 1 <= k <= block_size:
     raise ValueError(f"k must be in [1, block_size={block_size}]; got {k}.")
   return k, block_size
@@ -113,7 +114,7 @@ def selection_size(size: int, *, k: int, block_size: int) -> int:
     5
   """
   k, block_size = _check_block_params(k, block_size)
-  size = _as_int(size, "size")
+  size = as_python_int(size, "size")
   if size < 0:
     raise ValueError(f"size must be a non-negative int; got {size}.")
   full_blocks, tail = divmod(size, block_size)

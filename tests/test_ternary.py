@@ -133,7 +133,7 @@ def test_interpret_kernels_with_several_chunks_per_grid_step_equal_xla():
       )
   )
   stored, scales = encode(x)
-  expected_stored, expected_scales = ternary._encode_reference(x, seed=seed_bits, **settings)
+  expected_stored, expected_scales = ternary.encode_reference(x, seed=seed_bits, **settings)
   chex.assert_trees_all_equal(
       (stored, scales), (expected_stored, expected_scales), custom_message=f"seed={seed}"
   )
@@ -149,7 +149,7 @@ def test_interpret_kernels_with_several_chunks_per_grid_step_equal_xla():
   )
   chex.assert_trees_all_equal(
       decode(stored, scales),
-      ternary._decode_reference(stored, scales, size=size, dtype=jnp.float32, **settings),
+      ternary.decode_reference(stored, scales, size=size, dtype=jnp.float32, **settings),
       custom_message=f"seed={seed}",
   )
 

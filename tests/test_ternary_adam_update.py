@@ -135,7 +135,7 @@ def test_interpret_kernel_equals_xla(packing, block_size, size, dtype, update_nu
 
 def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla():
   seed = _fresh_seed()
-  block_size, size, layout = 128, 640 * 4 + 33, ternary._layout("base3")
+  block_size, size, layout = 128, 640 * 4 + 33, ternary.packing_layout("base3")
   grad, stored, nu = _inputs(seed, size, block_size=block_size, packing="base3")
   seed_bits = jnp.uint32(seed)
   hyper = update_module._hyperparameters(COUNT, B1, B2, EPS)
