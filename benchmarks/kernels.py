@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import quantize, ternary, topk
+from pallas_kernels import microadam_update, quantize, ternary, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
@@ -91,12 +91,34 @@ def _cases() -> list[KernelCase]:
             lambda key, n, packing=packing: (ternary.ternary_encode(
                 _normal(key, n), block_size=TERNARY_BLOCK, packing=packing, implementation="xla"),),
             lambda t, implementation, packing=packing: ternary.ternary_decode(
-                t, size=t.packed.size * (5 if packing == "base3" else 4), block_size=TERNARY_BLOCK,
+                t, size=t.scales.size * TERNARY_BLOCK, block_size=TERNARY_BLOCK,
                 packing=packing, implementation=implementation),
             lambda n, per_byte=per_byte: 4 * n + n // per_byte,
         ),
     ]
+  window = 10
+  cases.append(
+      KernelCase(
+          f"microadam_update window {window}",
+          lambda key, n: _ring(key, n, window),
+          lambda indices, values, implementation: microadam_update.microadam_update(
+              indices, values, window + 3, 0.9, 0.999, 1e-8, size=indices.shape[1] // k * TOPK_BLOCK, k=k,
+              block_size=TOPK_BLOCK, implementation=implementation),
+          # Reads the ring; writes the dense update.
+          lambda n: window * (n // TOPK_BLOCK) * k * 4 + 4 * n,
+      )
+  )
   return cases
+
+
+def _ring(key, n: int, window: int) -> tuple[jax.Array, jax.Array]:
+  """A full ring of block-local top-k entries over whole blocks, as MicroAdam stores them."""
+  k = int(np.ceil(TOPK_BLOCK * TOPK_DENSITY))
+  entries = n // TOPK_BLOCK * k
+  index_key, value_key = jax.random.split(key)
+  indices = jax.random.randint(index_key, (window, entries), 0, TOPK_BLOCK, jnp.int32).astype(jnp.int16)
+  values = _normal(value_key, window * entries, jnp.bfloat16).reshape(window, entries)
+  return indices, values
 
 
 def _time(fn, inputs, repeats: int) -> float:

@@ -14,6 +14,8 @@ MODELS = {
     "10M": model.TransformerConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_len=256),
     # Tens of millions, for step time.
     "40M": model.TransformerConfig(dim=640, n_layers=8, n_heads=10, n_kv_heads=5, ffn_dim=1792, max_len=256),
+    # Hundreds of millions: step time on a GPU, where tens of millions are launch-bound.
+    "300M": model.TransformerConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816, max_len=256),
     # Llama-2-7B: only ever built abstractly, with jax.eval_shape.
     "llama2_7b": model.TransformerConfig(
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096

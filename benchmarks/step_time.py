@@ -4,7 +4,9 @@ For each model size, every optimizer updates the same parameters with the
 same gradients; the step (update + apply, state and params donated) is timed
 after compilation, the median of ``--repeats`` runs. The compiled step's
 temporary memory (XLA's ``memory_analysis``) shows any transient dense buffer
-an optimizer needs beyond its state. Prints a markdown table and writes
+an optimizer needs beyond its state. With ``--implementations xla pallas`` (on
+a GPU) the methods with kernels are timed once per implementation, against
+the same adamw baseline. Prints a markdown table and writes
 ``results/step_time.json``.
 
     python -m benchmarks.step_time
@@ -24,6 +26,7 @@ import optax
 
 from benchmarks import shapes
 from optax_memopt.training import optimizers
+from pallas_kernels import _backend
 
 
 def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
@@ -53,15 +56,18 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["10M", "40M"], choices=sorted(shapes.MODELS))
   parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS))
+  parser.add_argument("--implementations", nargs="+", default=["auto"], choices=["auto", "xla", "pallas"],
+                      help="kernel paths to time; auto: Pallas on a Hopper-or-newer GPU, XLA elsewhere")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
   args = parser.parse_args(argv)
   names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
+  implementations = [None if i == "auto" else i for i in args.implementations]
 
   rows = []
   print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
-  print("| model | params | optimizer | ms/step | ratio to adamw | temp MB |")
-  print("|---|---|---|---|---|---|")
+  print("| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |")
+  print("|---|---|---|---|---|---|---|")
   for model in args.models:
     params = shapes.params(model)
     leaves, treedef = jax.tree.flatten(params)
@@ -69,14 +75,24 @@ def main(argv=None) -> None:
     grads = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)])
     baseline = None
     for name in names:
-      fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
-      seconds, temp = time_step(optimizers.get(name).build(1e-3, shapes.MODELS[model]), fresh, grads, args.repeats)
-      baseline = baseline or seconds
-      row = {"model": model, "n_params": shapes.count(params), "optimizer": name,
-             "ms_per_step": 1e3 * seconds, "ratio_to_adamw": seconds / baseline, "temp_bytes": temp}
-      rows.append(row)
-      print(f"| {model} | {row['n_params']:,} | {name} | {row['ms_per_step']:.1f} |"
-            f" {row['ratio_to_adamw']:.2f}x | {temp / 2**20:.1f} |", flush=True)
+      spec = optimizers.get(name)
+      for implementation in implementations if spec.has_kernels else [None]:
+        fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
+        options = {"implementation": implementation} if spec.has_kernels else {}
+        optimizer = spec.build(1e-3, shapes.MODELS[model], **options)
+        path = _backend.resolve_implementation(implementation) if spec.has_kernels else "xla"
+        try:
+          seconds, temp = time_step(optimizer, fresh, grads, args.repeats)
+        except Exception as e:  # One row per optimizer, whatever happens.
+          print(f"| {model} | {shapes.count(params):,} | {name} | {path} |"
+                f" {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - |", flush=True)
+          continue
+        baseline = baseline or seconds
+        row = {"model": model, "n_params": shapes.count(params), "optimizer": name, "implementation": path,
+               "ms_per_step": 1e3 * seconds, "ratio_to_adamw": seconds / baseline, "temp_bytes": temp}
+        rows.append(row)
+        print(f"| {model} | {row['n_params']:,} | {name} | {path} | {row['ms_per_step']:.1f} |"
+              f" {row['ratio_to_adamw']:.2f}x | {temp / 2**20:.1f} |", flush=True)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "step_time.json").write_text(json.dumps(rows, indent=1))
 

@@ -23,10 +23,11 @@ WEIGHT_DECAY = 0.01
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
-  build: Callable[[optax.ScalarOrSchedule, TransformerConfig], optax.GradientTransformation]
+  # build(learning_rate, config), plus implementation=None where has_kernels.
+  build: Callable[..., optax.GradientTransformation]
   default_learning_rate: float
   summary: str
-  ours: bool = True
+  has_kernels: bool = False
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -34,13 +35,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "optax.adamw, fp32 m and v: the baseline",
-        ours=False,
     ),
     "adamw_bf16": OptimizerSpec(
         lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
         3e-3,
         "optax.adamw with a bf16 first moment",
-        ours=False,
     ),
     "adafactor": OptimizerSpec(
         # optax.adafactor's weight_decay_rate is not scaled by the learning
@@ -48,12 +47,14 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         lambda lr, config: optax.adafactor(lr),
         1e-2,
         "optax.adafactor: factored second moment, no first moment",
-        ours=False,
     ),
     "microadam": OptimizerSpec(
-        lambda lr, config: optax_memopt.microadam(lr, weight_decay=WEIGHT_DECAY),
+        lambda lr, config, implementation=None: optax_memopt.microadam(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
         3e-3,
         "MicroAdam: window of 10 top-1% sparse gradients plus 4-bit error feedback",
+        has_kernels=True,
     ),
     "adam_mini": OptimizerSpec(
         lambda lr, config: optax_memopt.adam_mini(
@@ -63,14 +64,20 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "Adam-mini: one second moment per head, neuron or token",
     ),
     "ternary_adam": OptimizerSpec(
-        lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
+        lambda lr, config, implementation=None: optax_memopt.ternary_adam(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
         3e-3,
         "ternary-state Adam: base-3 trits with block scales for m, factored v",
+        has_kernels=True,
     ),
     "taco": OptimizerSpec(
-        lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY),
+        lambda lr, config, implementation=None: optax_memopt.taco(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
         1e-2,
         "TACO: signed argmax per input feature, 16 fp8 heavy hitters per row; Adam on vectors and embeddings",
+        has_kernels=True,
     ),
 }
 
