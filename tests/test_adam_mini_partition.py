@@ -1,14 +1,14 @@
 """Adam-mini's block partition: the rule every leaf of real Flax models gets.
 
-Covers a Llama-style nnx model with grouped-query attention (plain and with
-layers stacked by ``nnx.vmap``/``nnx.scan``), a linen model scanned by
-``nn.scan`` with ``DenseGeneral`` attention, the PyTorch-name rules where the
-reference crashes, overrides, and the errors that name a parameter.
+Covers the library's Llama-style nnx model (``training.model``) with
+grouped-query attention (plain and with layers stacked by
+``nnx.vmap``/``nnx.scan``), a linen model scanned by ``nn.scan`` with
+``DenseGeneral`` attention, the PyTorch-name rules where the reference
+crashes, overrides, and the errors that name a parameter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -20,121 +20,57 @@ from flax import nnx
 
 import optax_memopt
 from optax_memopt import BlockRule
+from optax_memopt.training import model
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  vocab: int = 50
-  dim: int = 32
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  ffn: int = 48
-  n_layers: int = 2
-
-  @property
-  def head_dim(self):
-    return self.dim // self.n_heads
+CONFIG = model.TransformerConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 
 
-class Attention(nnx.Module):
+class ScannedTransformer(nnx.Module):
+  """The library's Transformer with its blocks stacked on a leading layer axis."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    self.config = config
-    kv_dim = config.n_kv_heads * config.head_dim
-    self.q_proj = nnx.Linear(config.dim, config.dim, use_bias=False, rngs=rngs)
-    self.k_proj = nnx.Linear(config.dim, kv_dim, use_bias=False, rngs=rngs)
-    self.v_proj = nnx.Linear(config.dim, kv_dim, use_bias=False, rngs=rngs)
-    self.o_proj = nnx.Linear(config.dim, config.dim, use_bias=False, rngs=rngs)
+  def __init__(self, config: model.TransformerConfig, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(config.vocab_size, config.dim, rngs=rngs)
 
-  def __call__(self, x):
-    c = self.config
-    batch, length, _ = x.shape
-    q = self.q_proj(x).reshape(batch, length, c.n_heads, c.head_dim)
-    k = self.k_proj(x).reshape(batch, length, c.n_kv_heads, c.head_dim)
-    v = self.v_proj(x).reshape(batch, length, c.n_kv_heads, c.head_dim)
-    repeat = c.n_heads // c.n_kv_heads
-    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    out = nnx.dot_product_attention(q, k, v, mask=causal)
-    return self.o_proj(out.reshape(batch, length, c.dim))
+    @nnx.split_rngs(splits=config.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked_blocks(rngs):
+      return model.Block(config, rngs=rngs)
 
-
-class MLP(nnx.Module):
-
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    self.gate_proj = nnx.Linear(config.dim, config.ffn, use_bias=False, rngs=rngs)
-    self.up_proj = nnx.Linear(config.dim, config.ffn, use_bias=False, rngs=rngs)
-    self.down_proj = nnx.Linear(config.ffn, config.dim, use_bias=False, rngs=rngs)
-
-  def __call__(self, x):
-    return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nnx.Module):
-
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    self.attention_norm = nnx.RMSNorm(config.dim, rngs=rngs)
-    self.attention = Attention(config, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(config.dim, rngs=rngs)
-    self.mlp = MLP(config, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attention(self.attention_norm(x))
-    return x + self.mlp(self.mlp_norm(x))
-
-
-class Llama(nnx.Module):
-  """A tiny Llama; ``scan=True`` stacks the blocks on a leading layer axis."""
-
-  def __init__(self, config: LlamaConfig, *, scan: bool, rngs: nnx.Rngs):
-    self.scan = scan
-    self.embed = nnx.Embed(config.vocab, config.dim, rngs=rngs)
-    if scan:
-
-      @nnx.split_rngs(splits=config.n_layers)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def stacked_blocks(rngs):
-        return Block(config, rngs=rngs)
-
-      self.layers = stacked_blocks(rngs)
-    else:
-      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+    self.layers = stacked_blocks(rngs)
     self.final_norm = nnx.RMSNorm(config.dim, rngs=rngs)
-    self.lm_head = nnx.Linear(config.dim, config.vocab, use_bias=False, rngs=rngs)
+    self.lm_head = nnx.Linear(config.dim, config.vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens):
-    x = self.embed(tokens)
-    if self.scan:
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return block(x)
 
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def run(x, block):
-        return block(x)
-
-      x = run(x, self.layers)
-    else:
-      for block in self.layers:
-        x = block(x)
-    return self.lm_head(self.final_norm(x))
+    return self.lm_head(self.final_norm(run(self.embed(tokens), self.layers)))
 
 
-def expected_llama_rows(c: LlamaConfig, scan: bool):
+def llama(scan: bool) -> nnx.Module:
+  return (ScannedTransformer if scan else model.Transformer)(CONFIG, rngs=nnx.Rngs(0))
+
+
+def expected_llama_rows(c: model.TransformerConfig, scan: bool):
   """(shape, rule, blocks) per path, from the config alone."""
   kv_dim = c.n_kv_heads * c.head_dim
   layer = {
-      "attention/q_proj/kernel": ((c.dim, c.dim), "per head", c.n_heads),
-      "attention/k_proj/kernel": ((c.dim, kv_dim), "per head", c.n_kv_heads),
-      "attention/v_proj/kernel": ((c.dim, kv_dim), "per output neuron", kv_dim),
-      "attention/o_proj/kernel": ((c.dim, c.dim), "per output neuron", c.dim),
+      "attention/query/kernel": ((c.dim, c.dim), "per head", c.n_heads),
+      "attention/key/kernel": ((c.dim, kv_dim), "per head", c.n_kv_heads),
+      "attention/value/kernel": ((c.dim, kv_dim), "per output neuron", kv_dim),
+      "attention/out/kernel": ((c.dim, c.dim), "per output neuron", c.dim),
       "attention_norm/scale": ((c.dim,), "whole tensor", 1),
-      "mlp/gate_proj/kernel": ((c.dim, c.ffn), "per output neuron", c.ffn),
-      "mlp/up_proj/kernel": ((c.dim, c.ffn), "per output neuron", c.ffn),
-      "mlp/down_proj/kernel": ((c.ffn, c.dim), "per output neuron", c.dim),
+      "mlp/gate/kernel": ((c.dim, c.ffn_dim), "per output neuron", c.ffn_dim),
+      "mlp/up/kernel": ((c.dim, c.ffn_dim), "per output neuron", c.ffn_dim),
+      "mlp/down/kernel": ((c.ffn_dim, c.dim), "per output neuron", c.dim),
       "mlp_norm/scale": ((c.dim,), "whole tensor", 1),
   }
   rows = {
-      "embed/embedding": ((c.vocab, c.dim), "per token", c.vocab),
+      "embed/embedding": ((c.vocab_size, c.dim), "per token", c.vocab_size),
       "final_norm/scale": ((c.dim,), "whole tensor", 1),
-      "lm_head/kernel": ((c.dim, c.vocab), "per output neuron", c.vocab),
+      "lm_head/kernel": ((c.dim, c.vocab_size), "per output neuron", c.vocab_size),
   }
   for path, (shape, rule, blocks) in layer.items():
     if scan:
@@ -149,13 +85,12 @@ def expected_llama_rows(c: LlamaConfig, scan: bool):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
 def test_nnx_llama_gqa_partition_table(scan):
-  config = LlamaConfig()
-  model = Llama(config, scan=scan, rngs=nnx.Rngs(0))
+  config, network = CONFIG, llama(scan)
   kwargs = dict(
       n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
       stacked_modules="layers" if scan else (),
   )
-  partition = optax_memopt.adam_mini_partition(nnx.state(model, nnx.Param), **kwargs)
+  partition = optax_memopt.adam_mini_partition(nnx.state(network, nnx.Param), **kwargs)
   expected = expected_llama_rows(config, scan)
   assert {row.path: (row.shape, row.rule, row.blocks) for row in partition.rows} == expected
 
@@ -174,32 +109,31 @@ def test_nnx_llama_gqa_partition_table(scan):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
 def test_nnx_llama_trains_with_state_in_block_shapes(scan):
-  config = LlamaConfig()
-  model = Llama(config, scan=scan, rngs=nnx.Rngs(0))
+  config, network = CONFIG, llama(scan)
   kwargs = dict(
       n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
       stacked_modules="layers" if scan else (),
   )
   optimizer = nnx.Optimizer(
-      model, optax_memopt.adam_mini(3e-3, weight_decay=0.1, **kwargs), wrt=nnx.Param
+      network, optax_memopt.adam_mini(3e-3, weight_decay=0.1, **kwargs), wrt=nnx.Param
   )
-  partition = optax_memopt.adam_mini_partition(nnx.state(model, nnx.Param), **kwargs)
+  partition = optax_memopt.adam_mini_partition(nnx.state(network, nnx.Param), **kwargs)
   nu_shapes = [v.shape for v in jax.tree.leaves(optimizer.opt_state[0].nu)]
   assert nu_shapes == [row.block_shape for row in partition.rows]
 
-  tokens = jax.random.randint(jax.random.key(0), (4, 12), 0, config.vocab)
+  tokens = jax.random.randint(jax.random.key(0), (4, 12), 0, config.vocab_size)
 
-  def loss_fn(model):
-    logits = model(tokens[:, :-1])
+  def loss_fn(network):
+    logits = network(tokens[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
   @nnx.jit
-  def train_step(model, optimizer):
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
+  def train_step(network, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(network)
+    optimizer.update(network, grads)
     return loss
 
-  losses = [float(train_step(model, optimizer)) for _ in range(8)]
+  losses = [float(train_step(network, optimizer)) for _ in range(8)]
   # Memorising one small batch: any working optimizer lowers the loss.
   assert losses[-1] < losses[0] - 0.1, losses
 
