@@ -49,8 +49,12 @@ def mesh_shape(n_devices: int) -> tuple[int, int]:
   return n_devices // tp, tp
 
 
-def make_mesh(n_devices: int) -> Mesh:
-  """A ``("fsdp", "tp")`` mesh of the first ``n_devices`` devices, sharding left to the partitioner."""
+def make_mesh(n_devices: int, axis_type: AxisType = AxisType.Auto) -> Mesh:
+  """A ``("fsdp", "tp")`` mesh of the first ``n_devices`` devices.
+
+  ``AxisType.Auto`` leaves the sharding of intermediates to the partitioner;
+  ``AxisType.Explicit`` makes it part of every array's type.
+  """
   if n_devices > jax.device_count():
     raise ValueError(
         f"n_devices must be <= jax.device_count() = {jax.device_count()}; got {n_devices}."
@@ -58,7 +62,7 @@ def make_mesh(n_devices: int) -> Mesh:
   return jax.make_mesh(
       mesh_shape(n_devices),
       MESH_AXES,
-      axis_types=(AxisType.Auto,) * len(MESH_AXES),
+      axis_types=(axis_type,) * len(MESH_AXES),
       devices=jax.devices()[:n_devices],
   )
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import hyperparameters
+from optax_memopt import hyperparameters, sharding
 
 # The reference's name fragments (adam-mini 1.1.1), matched by substring in the
 # lowercased parameter name, first rule that matches wins.
@@ -699,7 +699,7 @@ def scale_by_adam_mini(
     )
     return new_updates, ScaleByAdamMiniState(count=count, mu=mu, nu=nu)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
 def adam_mini(

@@ -5,15 +5,17 @@ rings of sparse entries, per-block statistics), so ``jax.jit`` cannot guess
 their shardings from the parameters'. :func:`state_shardings` gives each
 state leaf a sharding that follows its parameter's, for the ``out_shardings``
 of ``jax.jit(optimizer.init)`` and of a train step, or a checkpoint restore's
-target.
+target. :func:`typed_like_inputs` lets an update run under a mesh whose axes
+are ``AxisType.Explicit``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
 def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -140,3 +142,36 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
   return jax.tree.map(place, state, owners(state, params))
+
+
+def _explicit_axes() -> tuple[str, ...]:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
+
+
+def typed_like_inputs(update_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """Lets an ``update_fn`` run on arrays sharded over explicit mesh axes.
+
+  Under a mesh of ``AxisType.Explicit`` axes an array's sharding is part of
+  its type, and every reshape, gather or scatter that splits a sharded axis
+  (a parameter cut into blocks, heads or packed codes) would need its output
+  sharding spelled out. Our states keep their shapes and dtypes from step to
+  step and the updates take the gradients' shapes, so the outputs' shardings
+  are the inputs': the body runs with the explicit axes left to the
+  partitioner (``jax.sharding.auto_axes``) and its outputs are given the
+  shardings of the incoming gradients and state. Elsewhere (no mesh, or
+  ``AxisType.Auto`` axes) ``update_fn`` runs as it is.
+  """
+
+  @functools.wraps(update_fn)
+  def update(updates, state, params=None):
+    axes = _explicit_axes()
+    if not axes:
+      return update_fn(updates, state, params)
+    sharding_of = lambda leaf: jax.typeof(leaf).sharding
+    out_sharding = (jax.tree.map(sharding_of, updates), jax.tree.map(sharding_of, state))
+    return jax.sharding.auto_axes(update_fn, axes=axes, out_sharding=out_sharding)(updates, state, params)
+
+  return update

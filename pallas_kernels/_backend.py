@@ -26,12 +26,14 @@ def _default_device_runs_mosaic_gpu() -> bool:
     return False
 
 
-def resolve_implementation(implementation: Implementation) -> str:
+def resolve_implementation(implementation: Implementation, *, kernel_is_faster: bool = True) -> str:
   """Validates ``implementation`` and turns ``None`` into a concrete choice.
 
-  ``None`` picks the Pallas kernel on a Hopper-or-newer GPU and XLA elsewhere.
-  A named implementation is honoured as is: ``"pallas"`` on a machine that
-  cannot run it fails loudly rather than falling back.
+  ``None`` picks the Pallas kernel on a Hopper-or-newer GPU and XLA elsewhere,
+  unless the op says its kernel is not yet faster than XLA's code on a GPU
+  (``kernel_is_faster=False``, from the timings in ``benchmarks/README.md``):
+  then XLA everywhere. A named implementation is honoured as is: ``"pallas"``
+  on a machine that cannot run it fails loudly rather than falling back.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -39,7 +41,7 @@ def resolve_implementation(implementation: Implementation) -> str:
         f" got {implementation!r}."
     )
   if implementation is None:
-    return "pallas" if _default_device_runs_mosaic_gpu() else "xla"
+    return "pallas" if kernel_is_faster and _default_device_runs_mosaic_gpu() else "xla"
   return implementation
 
 

@@ -13,8 +13,10 @@ vectors replicated), the state is initialised by
 ``jax.jit(init, out_shardings=state_shardings(...))``, and a jitted train
 step (update and ``apply_updates``, output shardings left to the
 partitioner) runs on fixed random gradients beside the same steps on one
-device. A checkpoint of the single-device run, saved with orbax midway, is
-restored into the sharded layout and training continues from it.
+device. The same steps run again on a mesh of ``AxisType.Explicit`` axes,
+where every array's sharding is part of its type. A checkpoint of the
+single-device run, saved with orbax midway, is restored into the sharded
+layout and training continues from it.
 
 The shapes divide the mesh, and the registry's block sizes divide the
 shards: every matrix has ``2**17`` elements, so an eighth of one is a whole
@@ -48,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 from benchmarks import sharding as layout  # noqa: E402
 import optax_memopt  # noqa: E402
@@ -155,6 +158,19 @@ def restore_sharded(saved, directory, shardings):
   return checkpointer.restore(directory, target)
 
 
+def explicit_axes_run(optimizer, host_params, gradients):
+  """The same steps on a mesh whose axes are ``AxisType.Explicit``: (params, state) at the end."""
+  mesh = layout.make_mesh(N_DEVICES, axis_type=AxisType.Explicit)
+  param_shardings = layout.param_shardings(host_params, mesh)
+  with jax.set_mesh(mesh):
+    params = jax.device_put(host_params, param_shardings)
+    abstract_state = jax.eval_shape(optimizer.init, params)
+    state_shardings = optax_memopt.state_shardings(abstract_state, params, param_shardings, mesh)
+    state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
+    grads = [jax.device_put(g, param_shardings) for g in gradients]
+    return train(train_step(optimizer), params, state, grads)[-1]
+
+
 def check(name: str, workdir: str) -> dict:
   case = CASES[name]
   optimizer = case.factory(**case.kwargs)
@@ -192,6 +208,13 @@ def check(name: str, workdir: str) -> dict:
           final_state, final_params, param_shardings, 0.01 * total
       ),
   }
+
+  try:
+    explicit_params, explicit_state = explicit_axes_run(optimizer, host_params, gradients)
+    result["explicit_param_differences"] = differences(single_run[-1][0], explicit_params)
+    result["explicit_state_differences"] = differences(single_run[-1][1], explicit_state)
+  except Exception:  # Reported on its own; the other measurements stand.
+    result["explicit_error"] = traceback.format_exc(limit=-6)
 
   saved_params, saved_state = single_run[RESTORE_AFTER - 1]
   restored = restore_sharded(
