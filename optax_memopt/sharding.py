@@ -85,6 +85,33 @@ def owners(state: Any, params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(owner, state)
 
 
+def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
+  """Whether a leaf is ``(*shape[:-1], blocks, per_block)`` with ``blocks`` dividing ``shape[-1]``.
+
+  Block-major packed codes and their ``(..., blocks, 1)`` scales (ternary
+  Adam's moment). Matrices and higher only: a vector's flat buffers
+  (MicroAdam's ``(window, n)`` rings) have the same rank pattern.
+  """
+  return (
+      len(shape) >= 2
+      and len(leaf_shape) == len(shape) + 1
+      and leaf_shape[: len(shape) - 1] == shape[:-1]
+      and leaf_shape[-2] > 0
+      and shape[-1] % leaf_shape[-2] == 0
+  )
+
+
+def _block_major_spec(leaf_shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
+  """The parameter's spec, its last axis's mesh axes on the blocks axis where they divide it."""
+  last = spec[-1]
+  names = () if last is None else (last if isinstance(last, tuple) else (last,))
+  shards = 1
+  for name in names:
+    shards *= mesh.shape[name]
+  blocks_spec = last if leaf_shape[-2] % shards == 0 else None
+  return PartitionSpec(*spec[:-1], blocks_spec, None)
+
+
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """Shardings for an optimizer state that follow the parameters' shardings.
 
@@ -93,6 +120,10 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
     sharding, so elementwise updates need no communication;
   * the parameter is replicated: replicated;
+  * the parameter's shape with its last axis cut into blocks,
+    ``(*shape[:-1], blocks, per_block)`` (ternary Adam's block-major codes and
+    their ``(..., blocks, 1)`` scales): sharded as the parameter, with the
+    mesh axes of its last axis on ``blocks`` where they divide it;
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;
@@ -135,6 +166,8 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     if sharding.is_fully_replicated:
       return replicated
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if _cuts_last_axis_into_blocks(tuple(leaf.shape), shape):
+      return NamedSharding(mesh, _block_major_spec(leaf.shape, spec, mesh))
     if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
       return NamedSharding(
           mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))

@@ -45,20 +45,31 @@ and measured on the library's training task (``optax_memopt.training``).
   bytes of scale per block. At ``b1 = 0.8`` (dim 64, 300 steps) blocks of
   64, 128 and 256 gave 1.98, 2.03 and 2.10; at ``b1 = 0.5`` they gave 1.86,
   1.85 and 1.86, all within run-to-run noise. Blocks of 128 cost
-  0.2 + 4/128 = 0.23 bytes per parameter (64: 0.26).
+  26/128 + 4/128 = 0.23 bytes per parameter (64: 0.27).
+* **Block-major layout.** Each block's trits are packed on their own
+  (``ceil(block_size / 5)`` bytes in base 3) and, when blocks tile the last
+  axis of a tensor ``(..., n)``, the moment is shaped
+  ``(..., n // block_size, bytes)`` with scales ``(..., n // block_size, 1)``
+  (``pallas_kernels.ternary_adam_update``): it shards along the same axes as
+  its parameter (``optax_memopt.state_shardings``), and the step needs no
+  communication beyond the factored statistics' reductions. The price is the
+  padding of each block to whole bytes: 0.003 bytes per parameter at blocks
+  of 128.
 
-State per tensor of ``d >= min_size`` elements: ``ceil(d / 5)`` bytes of
-trits (base 3), ``4 ceil(d / block_size)`` bytes of scales and, for a
-``(r, c)`` matrix, ``4 (r + c)`` bytes of factored ``nu``. A Transformer of
-9.6M parameters (dim 384, 6 layers) holds 0.253 bytes per parameter (blocks
-of 64: 0.284; 256: 0.237; ``"2bit"``: 0.303), against 8 for float32 AdamW
-and about 2 for 8-bit AdamW.
+State per tensor of ``d >= min_size`` elements, in ``b = ceil(d / block_size)``
+blocks: ``b ceil(block_size / 5)`` bytes of trits (base 3),
+``4 b`` bytes of scales and, for a ``(r, c)`` matrix, ``4 (r + c)`` bytes of
+factored ``nu``. A Transformer of 9.6M parameters (dim 384, 6 layers) holds
+0.256 bytes per parameter (blocks of 64: 0.287; 256: 0.240; ``"2bit"``:
+0.303), against 8 for float32 AdamW and about 2 for 8-bit AdamW.
 
 The step of each large tensor (decode ``m``, update ``m`` and ``nu``, the
-direction, stochastic re-encoding) is one fused Pallas kernel on Hopper GPUs
-(``pallas_kernels.ternary_adam_update``) and its XLA reference elsewhere. The
-factored statistics are reductions over whole rows and columns, done in XLA
-before the fused step, which receives the rebuilt ``nu``.
+direction, stochastic re-encoding) is ``pallas_kernels.ternary_adam_update``:
+XLA code by default, or with ``implementation="pallas"`` one fused Pallas
+kernel on Hopper GPUs, which reads the moment through a conversion to its own
+byte layout and is not yet faster than XLA there. The factored statistics are
+reductions over whole rows and columns, done in XLA before the fused step,
+which receives the rebuilt ``nu``.
 
 References:
   Kingma and Ba, "Adam: A Method for Stochastic Optimization", 2015
@@ -80,13 +91,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 import optax
 
-from optax_memopt import hyperparameters
+from optax_memopt import hyperparameters, sharding
 
 from pallas_kernels import _backend
 from pallas_kernels import ternary
-from pallas_kernels.ternary_adam_update import ternary_adam_update
+from pallas_kernels import ternary_adam_update as fused_step
 
 # Added to g**2 before the factored statistics, as in Adafactor: a gradient
 # that is zero so far still gives positive row means, so rebuilding nu never
@@ -106,9 +118,12 @@ class ScaleByTernaryAdamState(NamedTuple):
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
   key: jax.Array  # uint32 key data of the rounding key, shape of the key's impl.
-  # Per tensor of d >= min_size elements, a ternary.TernaryArray (packed uint8
-  # of shape (ceil(d / trits_per_byte),), float32 scales of shape
-  # (ceil(d / block_size),)); per smaller tensor, float32 of the param's shape.
+  # Per tensor of d >= min_size elements, a ternary.TernaryArray, block-major
+  # (ternary_adam_update.momentum_shapes): for a param (..., n) with
+  # n % block_size == 0, packed uint8 (..., n // block_size, bytes_per_block)
+  # and float32 scales (..., n // block_size, 1); otherwise the same with
+  # (ceil(d / block_size),) blocks. Per smaller tensor, float32 of the
+  # param's shape.
   mu: optax.Updates
   # Per tensor of d >= min_size elements and rank >= 2, a FactoredSecondMoment;
   # per other tensor, float32 of the param's shape.
@@ -212,8 +227,8 @@ def scale_by_ternary_adam(
     min_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
     packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
     key: an int seed or a JAX PRNG key for the stochastic rounding.
-    implementation: the fused step's implementation: ``None`` (Pallas on a
-      Hopper-or-newer GPU, XLA elsewhere), ``"xla"``, ``"pallas"`` or
+    implementation: the fused step's implementation: ``None`` (XLA, for now
+      faster than the kernel also on GPUs), ``"xla"``, ``"pallas"`` or
       ``"interpret"``.
 
   Returns:
@@ -234,7 +249,7 @@ def scale_by_ternary_adam(
     >>> bool(jnp.allclose(updates["w"], 1.0, atol=1e-4))  # Adam's first step: sign(g).
     True
     >>> state.mu["w"].packed.shape, state.nu["w"].row.shape
-    ((1639,), (64,))
+    ((64, 1, 26), (64,))
 
   References:
     Kingma and Ba, 2015 (https://arxiv.org/abs/1412.6980); Shazeer and
@@ -249,12 +264,7 @@ def scale_by_ternary_adam(
   def init_fn(params):
     def init_mu(param):
       if _is_ternary(param, min_size):
-        return ternary.ternary_encode(
-            jnp.zeros((param.size,), jnp.float32),
-            block_size=block_size,
-            packing=packing,
-            implementation="xla",
-        )
+        return fused_step.zero_momentum(param.shape, block_size=block_size, packing=packing)
       return jnp.zeros(param.shape, jnp.float32)
 
     def init_nu(param):
@@ -290,12 +300,16 @@ def scale_by_ternary_adam(
         return direction.astype(grad.dtype), mu, nu
       factored = isinstance(nu, FactoredSecondMoment)
       if factored:
-        squared = jnp.square(grad.astype(jnp.float32)) + _FACTORED_EPS
+        g = grad.astype(jnp.float32)
+        # Each mean squares the gradient itself: XLA:CPU would otherwise
+        # write g**2 out once and read it twice, at twice the cost.
+        g_for_columns = lax.optimization_barrier(g)
         nu = FactoredSecondMoment(
-            row=b2_ * nu.row + (1 - b2_) * jnp.mean(squared, axis=-1),
-            col=b2_ * nu.col + (1 - b2_) * jnp.mean(squared, axis=-2),
+            row=b2_ * nu.row + (1 - b2_) * jnp.mean(jnp.square(g) + _FACTORED_EPS, axis=-1),
+            col=b2_ * nu.col
+            + (1 - b2_) * jnp.mean(jnp.square(g_for_columns) + _FACTORED_EPS, axis=-2),
         )
-      step = ternary_adam_update(
+      step = fused_step.ternary_adam_update(
           grad,
           mu,
           _rebuild(nu) if factored else nu,
@@ -327,7 +341,9 @@ def scale_by_ternary_adam(
     )
     return treedef.unflatten(directions), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # Block-major reshapes split sharded axes: under explicit mesh axes the
+  # update runs with them left to the partitioner, typed like its inputs.
+  return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
 def ternary_adam(

@@ -12,6 +12,10 @@ failure message.
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import chex
 import jax
@@ -24,9 +28,11 @@ from flax import nnx
 import optax_memopt
 from optax_memopt.training import loop, model
 from pallas_kernels import ternary
+from pallas_kernels import ternary_adam_update
 
 BLOCK_SIZE = 64
 MIN_SIZE = 256
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _fresh_seed() -> int:
@@ -37,9 +43,10 @@ def _params(seed: int) -> dict[str, jax.Array]:
   """One tensor of every kind: factored, ternary with full nu, 3-D factored, small."""
   keys = jax.random.split(jax.random.key(seed), 4)
   return {
-      "matrix": jax.random.normal(keys[0], (48, 40)),  # 1920 = 30 blocks of 64.
+      "matrix": jax.random.normal(keys[0], (30, 64)),  # One block per row: block-major.
       "vector": jax.random.normal(keys[1], (700,)),  # 11 blocks, the last partial.
-      "stack": jax.random.normal(keys[2], (3, 20, 16)),  # Factored per (20, 16) matrix.
+      # Factored per (20, 16) matrix; rows shorter than a block: 15 flat blocks.
+      "stack": jax.random.normal(keys[2], (3, 20, 16)),
       "small": jax.random.normal(keys[3], (10, 20)),  # Below min_size: float32 Adam.
   }
 
@@ -64,14 +71,16 @@ def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_pe
       block_size=BLOCK_SIZE, min_size=MIN_SIZE, packing=packing, key=seed
   )
   state = opt.init(params)
-  for name in ("matrix", "vector", "stack"):
-    size = params[name].size
+  # Block-major: the matrix's rows are one block each; the others are flat blocks.
+  blocks = {"matrix": (30, 1), "vector": (11,), "stack": (15,)}
+  bytes_per_block = math.ceil(BLOCK_SIZE / trits_per_byte)
+  for name, shape in blocks.items():
     mu = state.mu[name]
     assert isinstance(mu, ternary.TernaryArray), name
-    assert mu.packed.shape == (math.ceil(size / trits_per_byte),) and mu.packed.dtype == jnp.uint8
-    assert mu.scales.shape == (math.ceil(size / BLOCK_SIZE),) and mu.scales.dtype == jnp.float32
+    assert mu.packed.shape == (*shape, bytes_per_block) and mu.packed.dtype == jnp.uint8, name
+    assert mu.scales.shape == (*shape, 1) and mu.scales.dtype == jnp.float32, name
   assert isinstance(state.nu["matrix"], optax_memopt.FactoredSecondMoment)
-  assert state.nu["matrix"].row.shape == (48,) and state.nu["matrix"].col.shape == (40,)
+  assert state.nu["matrix"].row.shape == (30,) and state.nu["matrix"].col.shape == (64,)
   assert state.nu["stack"].row.shape == (3, 20) and state.nu["stack"].col.shape == (3, 16)
   assert state.nu["vector"].shape == (700,) and state.nu["vector"].dtype == jnp.float32
   assert state.mu["small"].shape == (10, 20) and state.mu["small"].dtype == jnp.float32
@@ -143,7 +152,7 @@ def test_stored_first_moment_is_an_unbiased_estimate():
   """
   seed = _fresh_seed()
   b1, keys = 0.5, 512
-  params = {"w": jnp.zeros((48, 40)), "v": jnp.zeros((700,))}
+  params = {"w": jnp.zeros((30, 64)), "v": jnp.zeros((700,))}
   opt = optax_memopt.scale_by_ternary_adam(
       b1=b1, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed
   )
@@ -151,20 +160,18 @@ def test_stored_first_moment_is_an_unbiased_estimate():
   state = opt.update(_grads(seed, params), opt.init(params))[1]
   grads = _grads(seed + 1, params)
 
+  def decode(t, size):
+    flat = ternary_adam_update.to_flat(t, size=size, block_size=BLOCK_SIZE)
+    return ternary.ternary_decode(flat, size=size, block_size=BLOCK_SIZE)
+
   def new_moment(key_data):
     mu = opt.update(grads, state._replace(key=key_data))[1].mu
-    return {
-        name: ternary.ternary_decode(t, size=params[name].size, block_size=BLOCK_SIZE)
-        for name, t in mu.items()
-    }
+    return {name: decode(t, params[name].size) for name, t in mu.items()}
 
   key_data = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(seed + 2), keys))
   decoded = jax.jit(jax.vmap(new_moment))(key_data)
   for name in params:
-    previous = np.asarray(
-        ternary.ternary_decode(state.mu[name], size=params[name].size, block_size=BLOCK_SIZE),
-        np.float64,
-    )
+    previous = np.asarray(decode(state.mu[name], params[name].size), np.float64)
     exact = b1 * previous + (1 - b1) * np.asarray(grads[name], np.float64).reshape(-1)
     samples = np.asarray(decoded[name], np.float64)
     block_absmax = np.array([
@@ -223,14 +230,14 @@ def test_trains_the_transformer_about_as_well_as_adamw():
 
 
 def _expected_state_bytes(shapes, *, block_size: int, min_size: int) -> int:
-  """The documented layout: trits at 5 per byte, float32 scales and nu statistics."""
+  """The documented layout: per block, its trits at 5 per byte and a float32 scale; nu statistics."""
   total = 4 + 8  # count, and the threefry key's two uint32 words.
   for shape in shapes:
     size = math.prod(shape)
     if size < min_size:
       total += 8 * size
       continue
-    total += math.ceil(size / 5) + 4 * math.ceil(size / block_size)
+    total += math.ceil(size / block_size) * (math.ceil(block_size / 5) + 4)
     if len(shape) >= 2:
       total += 4 * math.prod(shape[:-1]) + 4 * math.prod(shape[:-2] + shape[-1:])
     else:
@@ -251,6 +258,46 @@ def test_state_is_under_0_35_bytes_per_parameter_on_a_10m_transformer():
   nbytes = optax_memopt.state_nbytes(state)
   assert nbytes == _expected_state_bytes(shapes, block_size=128, min_size=4096)
   assert nbytes / n_params < 0.35
+
+
+_EXPLICIT_MESH_RUN = """
+import jax, jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import optax_memopt
+mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+specs = {"matrix": P("fsdp", "tp"), "flat_blocks": P("fsdp", None), "vector": P()}
+shapes = {"matrix": (64, 256), "flat_blocks": (100, 30), "vector": (512,)}
+with jax.set_mesh(mesh):
+  params = {k: jax.device_put(jnp.ones(shapes[k]), NamedSharding(mesh, specs[k])) for k in shapes}
+  opt = optax_memopt.ternary_adam(1e-2, block_size=32, min_size=32)
+  state = jax.jit(opt.init)(params)
+  updates, new_state = jax.jit(lambda p, s: opt.update(p, s, p))(params, state)
+  specs_of = lambda tree: [jax.typeof(x).sharding.spec for x in jax.tree.leaves(tree)]
+  assert specs_of(updates) == specs_of(params), specs_of(updates)
+  assert specs_of(new_state) == specs_of(state), (specs_of(new_state), specs_of(state))
+print("ok")
+"""
+
+
+def test_update_traces_under_a_mesh_of_explicit_axes():
+  """Reshapes into blocks split sharded axes; explicit axes must not refuse them.
+
+  ``tests/sharding_check.py`` runs the registry's case on an explicit mesh;
+  this adds a sharded matrix whose rows are not whole blocks (cut into flat
+  blocks). On 8 host devices in a fresh process (the device count is fixed
+  when JAX starts): updates keep the params' shardings and the state its own.
+  """
+  env = dict(
+      os.environ,
+      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+      JAX_PLATFORMS="cpu",
+      PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
+  )
+  done = subprocess.run(
+      [sys.executable, "-c", _EXPLICIT_MESH_RUN], env=env, capture_output=True, text=True,
+      timeout=300, check=False,
+  )
+  assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 
 @pytest.mark.parametrize(

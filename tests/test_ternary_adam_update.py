@@ -13,6 +13,7 @@ message. Lowering for CUDA is checked by ``test_check_lowering.py``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import pytest
 
 from pallas_kernels import ternary
 from pallas_kernels import ternary_adam_update as update_module
-from pallas_kernels.ternary_adam_update import ternary_adam_update
+from pallas_kernels.ternary_adam_update import from_flat, ternary_adam_update, to_flat, zero_momentum
 
 pytestmark = pytest.mark.kernels
 
@@ -39,12 +40,15 @@ def _fresh_seed() -> int:
   return int(np.random.SeedSequence().entropy % 2**31)
 
 
-def _inputs(seed, size, *, block_size, packing, grad_dtype=jnp.float32):
+def _inputs(seed, shape, *, block_size, packing, grad_dtype=jnp.float32):
   """A gradient, a stored moment with spread-out scales (and a zero block), and nu.
 
   Values are multiples of 2**-8 (the gradient below 8 in magnitude, so that
   ``g**2 / 4`` keeps its bits), for exact arithmetic with ``B1`` and ``B2``.
+  The moment is ``ternary_encode``'s, in the block-major layout of ``shape``.
   """
+  shape = (shape,) if isinstance(shape, int) else shape
+  size = math.prod(shape)
   rng = np.random.default_rng(seed)
   grad = rng.standard_normal(size) * np.exp(rng.uniform(-2, 2, size))
   moment = rng.standard_normal(size) * np.exp(rng.uniform(-3, 1, size))
@@ -55,9 +59,12 @@ def _inputs(seed, size, *, block_size, packing, grad_dtype=jnp.float32):
       jnp.asarray(moment, jnp.float32), block_size=block_size, packing=packing,
       key=jax.random.key(seed), implementation="xla",
   )
+  stored = from_flat(stored, shape, block_size=block_size, packing=packing)
   nu = (np.round(rng.uniform(0.0, 2.0, size) * 256) / 256).astype(np.float32)
   nu[-7:] = 0.0  # Roots of zero.
-  return jnp.asarray(grad, grad_dtype), stored, jnp.asarray(nu)
+  return (
+      jnp.asarray(grad.reshape(shape), grad_dtype), stored, jnp.asarray(nu.reshape(shape))
+  )
 
 
 def _step(grad, stored, nu, key, *, block_size, packing, update_nu, implementation):
@@ -85,17 +92,21 @@ def _assert_steps_equal(actual, expected, message):
 @pytest.mark.parametrize("packing", ["base3", "2bit"])
 @pytest.mark.parametrize("block_size", [32, 128, 256])
 @pytest.mark.parametrize("update_nu", [True, False])
-def test_xla_step_equals_the_public_ternary_ops(packing, block_size, update_nu):
+# A vector with a partial last block, and a matrix whose rows are whole blocks.
+@pytest.mark.parametrize("shape", [(3000,), (6, 512)])
+def test_xla_step_equals_the_public_ternary_ops(packing, block_size, update_nu, shape):
   seed = _fresh_seed()
-  size = 3000
-  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing=packing)
+  size = math.prod(shape)
+  grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing)
   key = jax.random.key(seed + 1)
   step = _step(grad, stored, nu, key, block_size=block_size, packing=packing,
                update_nu=update_nu, implementation="xla")
 
-  previous = ternary.ternary_decode(stored, size=size, block_size=block_size, packing=packing)
-  m = B1 * previous + (1 - B1) * grad  # Exact (see B1).
+  flat = to_flat(stored, size=size, block_size=block_size, packing=packing)
+  previous = ternary.ternary_decode(flat, size=size, block_size=block_size, packing=packing)
+  m = B1 * previous.reshape(shape) + (1 - B1) * grad  # Exact (see B1).
   expected = ternary.ternary_encode(m, block_size=block_size, key=key, packing=packing)
+  expected = from_flat(expected, shape, block_size=block_size, packing=packing)
   np.testing.assert_array_equal(step.momentum.packed, expected.packed, err_msg=f"seed={seed}")
   np.testing.assert_array_equal(step.momentum.scales, expected.scales, err_msg=f"seed={seed}")
 
@@ -111,21 +122,24 @@ def test_xla_step_equals_the_public_ternary_ops(packing, block_size, update_nu):
     assert step.nu is None
 
 
-# packing, block_size, size, grad dtype, update_nu: sub-slice blocks, one
+# packing, block_size, shape, grad dtype, update_nu: sub-slice blocks, one
 # block per slice, blocks over two packed rows, a tail after whole chunks,
-# an input shorter than a chunk (all XLA), bfloat16 gradients.
+# an input shorter than a chunk (all XLA), bfloat16 gradients, block-major
+# matrices with and without a tail.
 _PARITY_CASES = [
-    ("base3", 64, 640 * 2 + 77, jnp.float32, True),
-    ("base3", 256, 1280 + 300, jnp.float32, False),
-    ("2bit", 128, 512 * 2 + 5, jnp.bfloat16, True),
-    ("2bit", 32, 300, jnp.float32, True),
+    ("base3", 64, (640 * 2 + 77,), jnp.float32, True),
+    ("base3", 256, (1280 + 300,), jnp.float32, False),
+    ("2bit", 128, (512 * 2 + 5,), jnp.bfloat16, True),
+    ("2bit", 32, (300,), jnp.float32, True),
+    ("base3", 128, (10, 384), jnp.float32, True),
+    ("2bit", 64, (4, 512), jnp.float32, False),
 ]
 
 
-@pytest.mark.parametrize("packing, block_size, size, dtype, update_nu", _PARITY_CASES)
-def test_interpret_kernel_equals_xla(packing, block_size, size, dtype, update_nu):
+@pytest.mark.parametrize("packing, block_size, shape, dtype, update_nu", _PARITY_CASES)
+def test_interpret_kernel_equals_xla(packing, block_size, shape, dtype, update_nu):
   seed = _fresh_seed()
-  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing=packing, grad_dtype=dtype)
+  grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing, grad_dtype=dtype)
   key = jax.random.key(seed + 1)
   options = dict(block_size=block_size, packing=packing, update_nu=update_nu)
   expected = _step(grad, stored, nu, key, **options, implementation="xla")
@@ -136,7 +150,7 @@ def test_interpret_kernel_equals_xla(packing, block_size, size, dtype, update_nu
 def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla():
   seed = _fresh_seed()
   block_size, size, layout = 128, 640 * 4 + 33, ternary.packing_layout("base3")
-  grad, stored, nu = _inputs(seed, size, block_size=block_size, packing="base3")
+  grad, stored, nu = _inputs(seed, (size,), block_size=block_size, packing="base3")
   seed_bits = jnp.uint32(seed)
   hyper = update_module._hyperparameters(COUNT, B1, B2, EPS)
   args = (grad, stored.packed, stored.scales, nu, seed_bits, hyper)
@@ -155,9 +169,41 @@ def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla():
       np.testing.assert_array_equal(a, e, err_msg=f"{name}, seed={seed}")
 
 
+@pytest.mark.parametrize("packing, trits_per_byte", [("base3", 5), ("2bit", 4)])
+def test_block_major_moment_keeps_each_block_in_its_own_bytes(packing, trits_per_byte):
+  """``from_flat`` and ``to_flat`` invert each other; negating one block changes its bytes only."""
+  seed = _fresh_seed()
+  shape, block_size = (6, 256), 64
+  x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+  def block_major(values):
+    flat = ternary.ternary_encode(values, block_size=block_size, packing=packing)
+    return flat, from_flat(flat, shape, block_size=block_size, packing=packing)
+
+  flat, moment = block_major(x)
+  assert moment.packed.shape == (6, 4, math.ceil(block_size / trits_per_byte))
+  assert moment.scales.shape == (6, 4, 1)
+  round_trip = to_flat(moment, size=x.size, block_size=block_size, packing=packing)
+  np.testing.assert_array_equal(round_trip.packed, flat.packed, err_msg=f"seed={seed}")
+  np.testing.assert_array_equal(round_trip.scales, flat.scales, err_msg=f"seed={seed}")
+
+  y = x.copy()
+  y[2, 64:128] *= -1  # Block (2, 1) only.
+  _, other = block_major(y)
+  changed = np.any(np.asarray(other.packed) != np.asarray(moment.packed), axis=-1)
+  expected = np.zeros((6, 4), bool)
+  expected[2, 1] = True
+  np.testing.assert_array_equal(changed, expected, err_msg=f"seed={seed}")
+
+  zeros = to_flat(zero_momentum(shape, block_size=block_size, packing=packing),
+                  size=x.size, block_size=block_size, packing=packing)
+  expected_zeros = ternary.ternary_encode(np.zeros(shape), block_size=block_size, packing=packing)
+  np.testing.assert_array_equal(zeros.packed, expected_zeros.packed)
+
+
 def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
-  stored = ternary.ternary_encode(jnp.zeros(2000), block_size=64)
+  stored = zero_momentum((40, 50), block_size=64)
   step = ternary_adam_update(
       grad, stored, jnp.zeros((40, 50)), key=jax.random.key(0), count=1,
       b1=0.9, b2=0.999, eps=1e-8, block_size=64, implementation="xla",
@@ -170,7 +216,7 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
 
 def _good_arguments():
   return dict(
-      grad=jnp.ones(100), momentum=ternary.ternary_encode(jnp.zeros(100), block_size=32),
+      grad=jnp.ones(100), momentum=zero_momentum((100,), block_size=32),
       nu=jnp.zeros(100), key=jax.random.key(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
       block_size=32,
   )
@@ -182,7 +228,10 @@ def _good_arguments():
         (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
         (dict(block_size=48), "block_size"),
         (dict(packing="base5"), "packing"),
-        (dict(momentum=ternary.ternary_encode(jnp.zeros(120), block_size=32)), "packed"),
+        (dict(momentum=zero_momentum((200,), block_size=32)), "packed"),
+        # The flat layout of ternary_encode is not the step's.
+        (dict(momentum=ternary.ternary_encode(jnp.zeros(100), block_size=32)), "packed"),
+        (dict(momentum=zero_momentum((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
         (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
         (dict(nu=jnp.zeros(101)), "nu"),
         (dict(key=0), "key"),
