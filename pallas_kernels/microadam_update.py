@@ -38,10 +38,11 @@ Implementations (``implementation=``):
   densely as rows of 256. Block sizes must be whole rows of 256. The
   scalar loop (two read-modify-writes and two barriers per entry, ``window *
   k`` entries per block) is the price of expressing the scatter in Mosaic
-  GPU; its speed has not been measured on a GPU yet.
+  GPU, and it is high: on an H200 MicroAdam's step with this kernel took
+  35 ms against 7.6 ms with XLA's scatter (40M parameters, JAX 0.11.2).
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: the Pallas kernel on a Hopper-or-newer GPU when it supports the
-  block size, XLA otherwise.
+* ``None``: ``"xla"`` everywhere, until the kernel scatters in parallel;
+  ``"pallas"`` runs it on request.
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -331,9 +332,8 @@ def microadam_update(
       block_size=block_size)``.
     block_size: elements per top-k block; the Pallas kernel needs a multiple
       of 256 of at most ``MAX_KERNEL_BLOCK_SIZE``.
-    implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
-      ``"interpret"``; ``None`` picks the Pallas kernel on a Hopper-or-newer
-      GPU when it supports ``block_size``, XLA otherwise.
+    implementation: ``None`` (XLA, faster than the kernel so far, see the
+      module docstring), ``"xla"``, ``"pallas"`` or ``"interpret"``.
 
   Returns:
     The float32 update, flat, of shape ``(size,)``.
@@ -369,7 +369,7 @@ def microadam_update(
     )
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  resolved = _backend.resolve_implementation(implementation)
+  resolved = _backend.resolve_implementation(implementation, kernel_is_faster=False)
   unsupported = kernel_unsupported_reason(block_size)
   if resolved != "xla" and unsupported is not None:
     if implementation is not None:

@@ -36,8 +36,10 @@ Implementations (``implementation=``):
   which never changes its selection. Other block sizes, and float64 input,
   raise ``ValueError``.
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: the Pallas kernel on a Hopper-or-newer GPU when it supports the
-  block size and dtype, XLA otherwise.
+* ``None``: ``"xla"`` everywhere. On an H200 (JAX 0.11.2, 32M float32
+  elements in blocks of 16384, k = 164) XLA's ``TopK`` took 0.77 ms and the
+  kernel 2.2 ms: its 31 bisection steps each sweep the block in shared
+  memory. ``"pallas"`` runs it on request.
 """
 
 from __future__ import annotations
@@ -330,9 +332,8 @@ def block_topk(
     k: entries kept per full block, in ``[1, block_size]``.
     block_size: elements per block, in ``[1, 2**31]``; the Pallas kernel
       needs a multiple of 256.
-    implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
-      ``"interpret"``. ``None`` picks the Pallas kernel on a Hopper-or-newer
-      GPU when it supports ``block_size`` and ``x.dtype``, XLA otherwise;
+    implementation: ``None`` (XLA, faster than the kernel so far, see the
+      module docstring), ``"xla"``, ``"pallas"`` or ``"interpret"``;
       ``"pallas"`` and ``"interpret"`` raise for what the kernel cannot do.
 
   Returns:
@@ -366,7 +367,7 @@ def block_topk(
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
-  resolved = _backend.resolve_implementation(implementation)
+  resolved = _backend.resolve_implementation(implementation, kernel_is_faster=False)
   unsupported = _kernel_unsupported_reason(x, block_size)
   if resolved != "xla" and unsupported is not None:
     if implementation is not None:

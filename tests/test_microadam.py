@@ -176,6 +176,33 @@ def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, dens
       np.testing.assert_allclose(np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=message)
 
 
+@pytest.mark.parametrize("kind", ["integers", "sparse"])
+def test_ties_at_the_threshold_zero_the_selected_entries_only(kind):
+  # Many equal magnitudes at each block's k-th largest: the error must drop
+  # exactly the ties top-k took (the lower indices), as the reference does.
+  block_size, bucket_size, density = 256, 64, 0.1
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  opt = optax_memopt.scale_by_microadam(
+      window=2, density=density, block_size=block_size, bucket_size=bucket_size, implementation="xla"
+  )
+  reference = NumpyMicroAdam(
+      1000, window=2, density=density, block_size=block_size, bucket_size=bucket_size,
+      b1=0.9, b2=0.999, eps=1e-8,
+  )
+  state = opt.init({"w": jnp.zeros(1000)})
+  for _ in range(2):
+    grad = np.round(2 * rng.normal(size=1000)).astype(np.float32)
+    if kind == "sparse":
+      grad = np.where(rng.random(1000) < 0.05, grad, 0.0).astype(np.float32)
+    _, state = jax.jit(opt.update)({"w": jnp.asarray(grad)}, state)
+    reference.step(grad)
+    error = quantize.dequantize(state.error["w"], size=1000, bits=4, bucket_size=bucket_size)
+    np.testing.assert_allclose(
+        np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}"
+    )
+
+
 @pytest.mark.parametrize("window", [5, 8])
 def test_full_density_and_full_window_is_adamw(window):
   steps, learning_rate, b1, b2, eps, weight_decay = 5, 1e-2, 0.9, 0.999, 1e-8, 1e-3

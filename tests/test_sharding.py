@@ -3,8 +3,9 @@
 ``tests/sharding_check.py`` runs in a separate process (the device count is
 fixed when JAX starts) and reports, per optimizer of the registry: the
 sharded run against the single-device run, the state's shardings before and
-after the jitted steps, the per-device state bytes, and a single-device
-checkpoint restored into the sharded layout. The tests here assert on that
+after the jitted steps, the per-device state bytes, the same steps on a mesh
+of explicit axes, and a single-device checkpoint restored into the sharded
+layout. The tests here assert on that
 report, one test per property and optimizer.
 """
 
@@ -85,17 +86,7 @@ def test_jitted_update_keeps_state_sharding(report, name):
   assert run["param_sharding_changes"] == []
 
 
-# Known limitation, documented in the README: ternary Adam's base-3 buffer of
-# ceil(d / 5) bytes is flat, not divisible by the device count, so the
-# partitioner replicates it. Strict: the test fails once a layout fixes it.
-UNDER_SPLIT = {"ternary_adam": "flat base-3 packed moment is replicated (needs a block-major layout)"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(reason=UNDER_SPLIT[n], strict=True)) if n in UNDER_SPLIT else n
-     for n in NAMES],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_state_is_split_over_devices_like_its_parameters(report, name):
   run = result(report, name)
   per_device = np.asarray(run["per_device_state_bytes"])
@@ -110,6 +101,14 @@ def test_state_is_split_over_devices_like_its_parameters(report, name):
       f" parameters' of {run['split_like_params_bytes']:.0f} (total"
       f" {run['total_state_bytes']})"
   )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_explicit_mesh_axes_give_the_same_steps(report, name):
+  run = result(report, name)
+  assert "explicit_error" not in run, run.get("explicit_error")
+  assert not mismatches(run["explicit_param_differences"]), mismatches(run["explicit_param_differences"])
+  assert not mismatches(run["explicit_state_differences"]), mismatches(run["explicit_state_differences"])
 
 
 @pytest.mark.parametrize("name", NAMES)
