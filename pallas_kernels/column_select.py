@@ -26,7 +26,10 @@ selects the same columns in the same order.
 Implementations (``implementation=``):
 
 * ``"xla"``: the reference. The offsets are scattered into a float32 copy of
-  ``g`` and ``lax.top_k`` (lower index first among equal keys) ranks each row.
+  ``g`` and ``lax.top_k`` (lower index first among equal keys) ranks each row;
+  for ``keep = 1`` two fused reductions over the magnitude keys (the largest,
+  then the lowest column holding it) replace it, with a single tracked
+  entry added by a compare instead of a scatter.
 * ``"pallas"``: a Mosaic GPU kernel (``plgpu.kernel``). Mosaic GPU has no
   argmax, sort or top-k, but the lowest index of a row's largest key is two
   full reductions: ``m = max(key)``, then ``min`` of the column positions
@@ -75,6 +78,8 @@ _PADDING = -1
 _TAKEN = -2
 # Matches no column: stands in for "no tracked entry" inside the kernel.
 _NO_COLUMN = -1
+# The widest row reduction XLA:CPU fuses with the computation of its input.
+_FUSED_REDUCTION = 32
 
 
 class ColumnSelection(NamedTuple):
@@ -85,8 +90,14 @@ class ColumnSelection(NamedTuple):
 
 
 def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: jax.Array) -> jax.Array:
+  u = grads.astype(jnp.float32)
+  if tracked_index.shape[1] == 1:
+    # One compare per entry, fused into the reductions that read u: cheaper
+    # on XLA:CPU than a scatter into a materialized copy.
+    position = jnp.arange(u.shape[1], dtype=jnp.int32)
+    return jnp.where(position == tracked_index, u + tracked_offset, u)
   rows = jnp.arange(grads.shape[0])[:, None]
-  return grads.astype(jnp.float32).at[rows, tracked_index].add(tracked_offset)
+  return u.at[rows, tracked_index].add(tracked_offset)
 
 
 def _largest(u: jax.Array, keep: int) -> jax.Array:
@@ -96,10 +107,44 @@ def _largest(u: jax.Array, keep: int) -> jax.Array:
   return lax.optimization_barrier(lax.top_k(jnp.abs(u), keep)[1])
 
 
+def _first_largest(u: jax.Array) -> jax.Array:
+  """Position of each row's largest ``|u|``, the lowest among equals, as ``[rows, 1]``.
+
+  Two reductions over the magnitude keys (NaN above infinity, as the kernel
+  ranks): the largest key, then the lowest position holding it. XLA:CPU runs
+  them several times faster than ``lax.top_k(.., 1)`` or ``jnp.argmax`` (a
+  variadic reduction it does not vectorize), provided each reduces at most
+  ``_FUSED_REDUCTION`` entries: above that XLA:CPU splits the reduction into
+  a tree and materializes ``u`` and its keys first. So rows reduce in chunks
+  of the widest divisor of the width up to that, then across chunks.
+  """
+  rows, width = u.shape
+  chunk = max(d for d in range(1, min(width, _FUSED_REDUCTION) + 1) if width % d == 0)
+  keys = magnitude_key(u).reshape(rows, width // chunk, chunk)
+  # The barrier keeps XLA from merging the two maxima into one wide reduction.
+  largest = jnp.max(lax.optimization_barrier(jnp.max(keys, axis=2)), axis=1)[:, None, None]
+  position = jnp.arange(width, dtype=jnp.int32).reshape(width // chunk, chunk)
+  first = jnp.min(jnp.where(keys == largest, position, width), axis=2)
+  return jnp.min(first, axis=1, keepdims=True)
+
+
+def _values_at(grads, tracked_index, tracked_offset, index: jax.Array) -> jax.Array:
+  """``u[r, index[r, j]]`` from ``grads`` and the offsets, without reading a materialized ``u``.
+
+  Reading ``u`` itself would give it a third user besides the two
+  reductions of ``_first_largest``, and XLA would materialize it. Adding
+  -0.0 leaves every float as it is, so an index with no tracked offset gets
+  ``grads`` exactly and one with an offset ``grads + offset``, as ``u``.
+  """
+  hit = index[:, :, None] == tracked_index[:, None, :]
+  offset = jnp.sum(jnp.where(hit, tracked_offset[:, None, :], -0.0), axis=2)
+  return jnp.take_along_axis(grads.astype(jnp.float32), index, axis=1) + offset
+
+
 def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
   u = _with_offsets(grads, tracked_index, tracked_offset)
-  index = _largest(u, keep)
-  return ColumnSelection(index, jnp.take_along_axis(u, index, axis=1))
+  index = _first_largest(u) if keep == 1 else _largest(u, keep)
+  return ColumnSelection(index, _values_at(grads, tracked_index, tracked_offset, index))
 
 
 def _strided_layout(dtype: Any, segment_width: int) -> Any:

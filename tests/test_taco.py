@@ -31,13 +31,23 @@ def numpy_direction(u, batch_dims=0, input_dims=1):
   return direction.reshape(shape)
 
 
-def numpy_heavy_hitters(grads, k, beta):
+def first_by_magnitude(u, columns):
+  """``columns`` by decreasing |u|, then increasing column."""
+  return columns[np.lexsort((columns, -np.abs(u[columns])))]
+
+
+def numpy_heavy_hitters(grads, k, beta, segments=1):
   """The merge rule on one ``(n_in, n_out)`` matrix per step, in float64, without quantization.
 
-  Returns each step's direction and the final tracked (columns, momenta) per row, by
-  decreasing |momentum| then increasing column.
+  Rows are cut into ``segments`` parts of ``ceil(n_out / segments)`` columns, each keeping
+  ``min(k // segments, last part's width)`` entries. Returns each step's direction and the
+  final tracked (columns, momenta) per row: segment by segment, each by decreasing
+  |momentum| then increasing column.
   """
   n_in, n_out = grads[0].shape
+  width = -(-n_out // segments)
+  starts = range(0, n_out, width)
+  per_segment = min(k // segments, n_out - starts[-1])
   tracked = [dict() for _ in range(n_in)]
   directions = []
   for g in grads:
@@ -46,9 +56,14 @@ def numpy_heavy_hitters(grads, k, beta):
       u = (1 - beta) * g[row].astype(np.float64)
       for column, momentum in tracked[row].items():
         u[column] += beta * momentum
-      order = np.lexsort((np.arange(n_out), -np.abs(u)))[:k]
-      tracked[row] = {int(c): u[c] for c in order}
-      direction[row, order[0]] = np.float32(n_out / n_in) * np.sign(u[order[0]])
+      kept = [
+          c
+          for start in starts
+          for c in first_by_magnitude(u, np.arange(start, min(start + width, n_out)))[:per_segment]
+      ]
+      tracked[row] = {int(c): u[c] for c in kept}
+      top = first_by_magnitude(u, np.arange(n_out))[0]
+      direction[row, top] = np.float32(n_out / n_in) * np.sign(u[top])
     directions.append(direction)
   columns = np.array([list(t) for t in tracked])
   momenta = np.array([list(t.values()) for t in tracked])
@@ -169,13 +184,22 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape):
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
 
-def test_partial_tracking_follows_the_merge_rule():
+@pytest.mark.parametrize(
+    "k, segments",
+    [
+        (3, 1),  # the row's top 3
+        (4, 2),  # two segments of 5 columns, 2 entries each
+        (3, 3),  # segments of 4, 4 and 2 columns, 1 entry each
+        (8, 4),  # segments of 3, 3, 3 and 1 columns: the last one caps them at 1 entry
+    ],
+)
+def test_partial_tracking_follows_the_merge_rule(k, segments):
   seed = fresh_seed()
-  beta, steps, k, shape = 0.5, 4, 3, (6, 10)
+  beta, steps, shape = 0.5, 4, (6, 10)
   grads = ternary_grads(seed, steps, shape)
-  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta)
+  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
   assert_exact_in_float8(want_momenta, seed)
-  tx = optax_memopt.scale_by_taco(k=k, beta=beta)
+  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments)
   state = tx.init({"w": jnp.zeros(shape)})
   for step, (g, want) in enumerate(zip(grads, want_directions)):
     updates, state = tx.update({"w": jnp.asarray(g)}, state)
@@ -202,13 +226,14 @@ def test_stacked_layers_are_independent_matrices():
       np.testing.assert_array_equal(stacked_updates["w"][layer], updates["w"], err_msg=f"seed={seed}")
 
 
-def test_kernel_path_steps_like_the_reference():
+@pytest.mark.parametrize("k, segments", [(4, 1), (4, 2), (3, 3)])
+def test_kernel_path_steps_like_the_reference(k, segments):
   seed = fresh_seed()
-  shape = (5, 300)  # rows of three lanes, the last one padded
+  shape = (5, 300)  # rows of three lanes, the last one padded; segments of 150 or 100
   grads = np.random.default_rng(seed).standard_normal((2, *shape))
   runs = {}
   for implementation in ("xla", "interpret"):
-    tx = optax_memopt.scale_by_taco(k=4, implementation=implementation)
+    tx = optax_memopt.scale_by_taco(k=k, segments=segments, implementation=implementation)
     state = tx.init({"w": jnp.zeros(shape, jnp.bfloat16)})
     update = jax.jit(tx.update)
     steps = []
@@ -309,6 +334,8 @@ def test_fallback_trains_like_adamw_and_labels_can_be_overridden():
         (lambda: optax_memopt.scale_by_taco(k=-1), "k must be an int >= 0"),
         (lambda: optax_memopt.taco(1e-2, k=1.5), "k must be an int >= 0"),
         (lambda: optax_memopt.taco(1e-2, k=True), "k must be an int >= 0"),
+        (lambda: optax_memopt.scale_by_taco(segments=0), "segments must be an int >= 1"),
+        (lambda: optax_memopt.taco(1e-2, k=16, segments=3), "segments must divide k=16; got 3"),
         (lambda: optax_memopt.scale_by_taco(beta=1.0), r"beta must be in \[0, 1\)"),
         (lambda: optax_memopt.taco(1e-2, beta=-0.1), r"beta must be in \[0, 1\)"),
         (lambda: optax_memopt.taco(1e-2, implementation="cuda"), "implementation must be one of"),
