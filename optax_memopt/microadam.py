@@ -54,39 +54,6 @@ def _keep_per_block(block_size: int, density: float) -> int:
   return min(block_size, max(1, math.ceil(round(block_size * density, 9))))
 
 
-def _without_selected(
-    accumulated: jax.Array, selected: jax.Array, kept: jax.Array, *, k: int, block_size: int
-) -> jax.Array:
-  """``accumulated`` (flat float32) with the entries ``block_topk`` selected set to 0.
-
-  A block's selection is every entry whose magnitude key is above its
-  smallest kept key ``T``, and of those equal to ``T`` the ones up to the
-  last kept index (ties go to lower indices). Zeroing by that test is
-  elementwise, so XLA fuses it into the quantizer's passes, where zeroing by
-  position would scatter into a fresh copy of ``accumulated``.
-  """
-  full_blocks, tail = divmod(accumulated.size, block_size)
-  parts = []
-  for start, n_blocks, width, keep in (
-      (0, full_blocks, block_size, k),
-      (full_blocks * block_size, int(tail > 0), tail, selected.size - full_blocks * k),
-  ):
-    if not n_blocks:
-      continue
-    entries = slice(start // block_size * k, start // block_size * k + n_blocks * keep)
-    kept_keys = topk.magnitude_key(kept[entries]).reshape(n_blocks, keep)
-    threshold = kept_keys.min(axis=1, keepdims=True)
-    local = selected[entries].astype(jnp.int32).reshape(n_blocks, keep)
-    last_tie = jnp.where(kept_keys == threshold, local, -1).max(axis=1, keepdims=True)
-    blocks = accumulated[start : start + n_blocks * width].reshape(n_blocks, width)
-    keys = topk.magnitude_key(blocks)
-    chosen = (keys > threshold) | (
-        (keys == threshold) & (jnp.arange(width, dtype=jnp.int32) <= last_tie)
-    )
-    parts.append(jnp.where(chosen, 0.0, blocks).reshape(-1))
-  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-
-
 def _check_hyperparameters(
     b1, b2, eps, window, density, block_size, bucket_size, implementation
 ) -> None:
@@ -257,8 +224,9 @@ def scale_by_microadam(
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
+      positions = update_kernel.flat_positions(selected, k=k, block_size=block_size)
       error = quantize_kernel.quantize(
-          _without_selected(accumulated, selected, kept, k=k, block_size=block_size),
+          accumulated.at[positions].set(0.0, unique_indices=True),
           bits=ERROR_BITS,
           bucket_size=bucket_size,
           stats_dtype=jnp.bfloat16,

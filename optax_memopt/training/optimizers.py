@@ -79,6 +79,14 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "TACO: signed argmax per input feature, 16 fp8 heavy hitters per row; Adam on vectors and embeddings",
         has_kernels=True,
     ),
+    "taco_segments": OptimizerSpec(
+        lambda lr, config, implementation=None: optax_memopt.taco(
+            lr, weight_decay=WEIGHT_DECAY, segments=16, implementation=implementation
+        ),
+        1e-2,
+        "TACO with each row cut into 16 parts of one heavy hitter each: selection by reductions, no top-k",
+        has_kernels=True,
+    ),
 }
 
 
