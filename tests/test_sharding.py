@@ -12,18 +12,16 @@ report, one test per property and optimizer.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests import host_devices
 from tests.optimizer_cases import CASES
 
 NAMES = sorted(CASES)
-REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 # Float leaves may differ by the rounding of reductions split across devices
 # (Adam-mini's block means, factored statistics): a few fp32 ulps of the
 # leaf's largest entry, or one rounding step of a low-precision stored value.
@@ -35,16 +33,10 @@ BYTES_TOLERANCE = 0.05
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-  env = dict(
-      os.environ,
-      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-      JAX_PLATFORMS="cpu",
-      PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
-  )
   done = subprocess.run(
       [sys.executable, "-m", "tests.sharding_check", *NAMES],
-      cwd=REPOSITORY,
-      env=env,
+      cwd=host_devices.REPOSITORY,
+      env=host_devices.environment(8),
       capture_output=True,
       text=True,
       timeout=600,

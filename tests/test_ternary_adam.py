@@ -12,8 +12,6 @@ failure message.
 from __future__ import annotations
 
 import math
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -30,9 +28,10 @@ from optax_memopt.training import loop, model
 from pallas_kernels import ternary
 from pallas_kernels import ternary_adam_update
 
+from tests import host_devices
+
 BLOCK_SIZE = 64
 MIN_SIZE = 256
-REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _fresh_seed() -> int:
@@ -287,14 +286,9 @@ def test_update_traces_under_a_mesh_of_explicit_axes():
   blocks). On 8 host devices in a fresh process (the device count is fixed
   when JAX starts): updates keep the params' shardings and the state its own.
   """
-  env = dict(
-      os.environ,
-      XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-      JAX_PLATFORMS="cpu",
-      PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
-  )
   done = subprocess.run(
-      [sys.executable, "-c", _EXPLICIT_MESH_RUN], env=env, capture_output=True, text=True,
+      [sys.executable, "-c", _EXPLICIT_MESH_RUN], env=host_devices.environment(8),
+      capture_output=True, text=True,
       timeout=300, check=False,
   )
   assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
