@@ -178,10 +178,15 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
 
 
 def _explicit_axes() -> tuple[str, ...]:
+  """The current mesh's explicit axes that split something (of size > 1)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
+  return tuple(
+      name
+      for name, kind in zip(mesh.axis_names, mesh.axis_types)
+      if kind == AxisType.Explicit and mesh.shape[name] > 1
+  )
 
 
 def typed_like_inputs(update_fn: Callable[..., Any]) -> Callable[..., Any]:
