@@ -266,6 +266,20 @@ def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array
   return quotient - layout.base * jnp.floor((quotient + 0.5) * np.float32(1 / layout.base))
 
 
+def _flat_bytes(block_bytes: jax.Array, size: int, block_size: int, layout: Any) -> jax.Array:
+  """Block-major bytes ``(..., bytes_per_block)`` as the flat planar bytes of their first ``size`` trits."""
+  codes = _unpack_blocks(block_bytes, block_size, layout).reshape(-1)[:size].astype(jnp.uint32)
+  return planar.pack(codes, base=layout.base, planes=layout.planes)
+
+
+def _block_bytes(
+    flat_bytes: jax.Array, size: int, blocks: tuple[int, ...], block_size: int, layout: Any
+) -> jax.Array:
+  """Inverse of ``_flat_bytes``: the flat bytes of ``size`` trits as ``(*blocks, bytes_per_block)``."""
+  codes = planar.unpack(flat_bytes, size, base=layout.base, planes=layout.planes)
+  return _pack_blocks(_to_blocks(codes.astype(jnp.uint32), blocks, block_size, fill=1), layout)
+
+
 def to_flat(
     momentum: ternary.TernaryArray, *, size: int, block_size: int, packing: str = "base3"
 ) -> ternary.TernaryArray:
@@ -274,9 +288,8 @@ def to_flat(
   ``ternary_decode(to_flat(t, ...), ...)`` is the moment as a flat array.
   """
   layout = ternary.packing_layout(packing)
-  codes = _unpack_blocks(momentum.packed, block_size, layout).reshape(-1)[:size].astype(jnp.uint32)
   return ternary.TernaryArray(
-      planar.pack(codes, base=layout.base, planes=layout.planes), momentum.scales.reshape(-1)
+      _flat_bytes(momentum.packed, size, block_size, layout), momentum.scales.reshape(-1)
   )
 
 
@@ -291,9 +304,10 @@ def from_flat(
   layout = ternary.packing_layout(packing)
   shape = tuple(shape)
   blocks = _blocked_shape(shape, block_size)
-  codes = planar.unpack(t.packed, math.prod(shape), base=layout.base, planes=layout.planes)
-  codes = _to_blocks(codes.astype(jnp.uint32), blocks, block_size, fill=1)
-  return ternary.TernaryArray(_pack_blocks(codes, layout), t.scales.reshape(*blocks, 1))
+  return ternary.TernaryArray(
+      _block_bytes(t.packed, math.prod(shape), blocks, block_size, layout),
+      t.scales.reshape(*blocks, 1),
+  )
 
 
 # XLA reference.
@@ -513,9 +527,7 @@ def _step_pallas(
   block_bytes = stored.reshape(-1, stored.shape[-1])
   flat_scales = scales.reshape(-1)
   # The kernel's part of the moment in the flat layout (whole packed rows).
-  done_codes = _unpack_blocks(block_bytes[:done_blocks], block_size, layout)
-  done_codes = done_codes.reshape(-1).astype(jnp.uint32)
-  flat_stored = planar.pack(done_codes, base=layout.base, planes=layout.planes)
+  flat_stored = _flat_bytes(block_bytes[:done_blocks], done, block_size, layout)
   out_type = [
       jax.ShapeDtypeStruct((size,), grad.dtype),
       jax.ShapeDtypeStruct(flat_stored.shape, jnp.uint8),
@@ -540,15 +552,12 @@ def _step_pallas(
   direction, new_flat_stored, new_scales, *new_nu = kernel(
       flat_grad, flat_stored, flat_scales, flat_nu, seed.reshape(1), hyper
   )
-  new_codes = planar.unpack(new_flat_stored, done, base=layout.base, planes=layout.planes)
-  new_block_bytes = jnp.zeros(block_bytes.shape, jnp.uint8)
-  new_block_bytes = lax.dynamic_update_slice(
-      new_block_bytes, _pack_blocks(new_codes.astype(jnp.uint32).reshape(-1, block_size), layout), (0, 0)
-  )
+  new_block_bytes = _block_bytes(new_flat_stored, done, (done_blocks,), block_size, layout)
   new_nu = new_nu[0] if update_nu else None
   if done < size:
     # Chunk boundaries are block boundaries: the tail is whole blocks, the
-    # last one maybe padded. Written in place into the kernel's outputs.
+    # last one maybe padded, written in place into the kernel's outputs (its
+    # bytes, which the kernel does not produce, appended).
     tail_blocks = block_bytes.shape[0] - done_blocks
     tail = _step_blocks(
         _to_blocks(flat_grad[done:], (tail_blocks,), block_size),
@@ -565,7 +574,7 @@ def _step_pallas(
     direction = lax.dynamic_update_slice(
         direction, tail_direction.reshape(-1)[: size - done], (done,)
     )
-    new_block_bytes = lax.dynamic_update_slice(new_block_bytes, tail_stored, (done_blocks, 0))
+    new_block_bytes = jnp.concatenate([new_block_bytes, tail_stored])
     new_scales = lax.dynamic_update_slice(new_scales, tail_scales.reshape(-1), (done_blocks,))
     if update_nu:
       new_nu = lax.dynamic_update_slice(new_nu, tail_nu.reshape(-1)[: size - done], (done,))
