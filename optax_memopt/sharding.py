@@ -12,6 +12,7 @@ are ``AxisType.Explicit``.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -89,7 +90,8 @@ def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
   """Whether a leaf is ``(*shape[:-1], blocks, per_block)`` with ``blocks`` dividing ``shape[-1]``.
 
   Block-major packed codes and their ``(..., blocks, 1)`` scales (ternary
-  Adam's moment). Matrices and higher only: a vector's flat buffers
+  Adam's moment), TACO's ``(..., rows, segments, slots)`` heavy hitters.
+  Matrices and higher only: a vector's flat buffers
   (MicroAdam's ``(window, n)`` rings) have the same rank pattern.
   """
   return (
@@ -105,9 +107,7 @@ def _block_major_spec(leaf_shape: Sequence[int], spec: tuple, mesh: Mesh) -> Par
   """The parameter's spec, its last axis's mesh axes on the blocks axis where they divide it."""
   last = spec[-1]
   names = () if last is None else (last if isinstance(last, tuple) else (last,))
-  shards = 1
-  for name in names:
-    shards *= mesh.shape[name]
+  shards = math.prod(mesh.shape[name] for name in names)
   blocks_spec = last if leaf_shape[-2] % shards == 0 else None
   return PartitionSpec(*spec[:-1], blocks_spec, None)
 
@@ -122,8 +122,9 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   * the parameter is replicated: replicated;
   * the parameter's shape with its last axis cut into blocks,
     ``(*shape[:-1], blocks, per_block)`` (ternary Adam's block-major codes and
-    their ``(..., blocks, 1)`` scales): sharded as the parameter, with the
-    mesh axes of its last axis on ``blocks`` where they divide it;
+    their ``(..., blocks, 1)`` scales, TACO's heavy hitters per row segment):
+    sharded as the parameter, with the mesh axes of its last axis on
+    ``blocks`` where they divide it;
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;

@@ -31,18 +31,26 @@ Only the abstract is public; every choice below it leaves open is ours:
   the whole row are kept (this is the tracked entries merged with the row's
   top entries of ``|g|``: no other entry can enter), and the step is on the
   largest. An evicted entry's momentum is dropped; a newcomer starts at
-  ``(1 - beta) * g``, without bias correction.
-* Segments (``segments > 1``, optional). The row's outputs are cut into
-  ``segments`` contiguous parts of ``ceil(n_out / segments)`` columns, and
-  the merge rule runs in each part with ``k / segments`` slots. The step
-  is still on the row's largest ``|u|`` (it is some part's largest), but the
-  slots spread over the row instead of following its ``k`` largest entries.
-  With one slot per part (``segments = k``) the selection is two fused
-  reductions per part instead of a per-row top-k: on XLA:CPU the step of the
-  10M-parameter benchmark model took 0.9-2x ``optax.adamw``'s, against 7-12x
-  with one segment (``benchmarks.step_time``). Pre-training the demo
-  model (``benchmarks.convergence``'s setting, 1000 steps) gives validation
-  losses 2.175 (``segments = 1``), 2.153 (4) and 2.195 (16).
+  ``(1 - beta) * g``, without bias correction. The selection ranks
+  ``u / (1 - beta) = g + w * u_tracked`` with ``w = beta / (1 - beta)``
+  rounded to bfloat16 (a relative change under ``2**-9``, far below the
+  float8 codes' ``2**-4``): the product is then exact, so ``u`` rounds the
+  same way wherever XLA recomputes it, with or without a fused multiply-add.
+* Segments (default: ``k`` of them, one heavy hitter each). The row's
+  outputs are cut into ``segments`` contiguous parts of
+  ``ceil(n_out / segments)`` columns, and the merge rule runs in each part
+  with ``k / segments`` slots. The step is still on the row's largest
+  ``|u|`` (it is some part's largest), but the slots spread over the row
+  instead of following its ``k`` largest entries (``segments = 1``). We
+  default to one slot per part because it costs little and buys much: the
+  selection is two fused reductions per part instead of a per-row top-k (on
+  XLA:CPU the step of the 10M-parameter benchmark model takes about 1x
+  ``optax.adamw``'s, against 7-12x with one segment, ``benchmarks.step_time``),
+  and a part's slots live with its columns, so under tensor parallelism
+  every device keeps the state of its own columns (``segments`` a multiple
+  of the ``tp`` size). Pre-training the demo model
+  (``benchmarks.convergence``'s setting, 1000 steps) gives validation losses
+  2.175 (``segments = 1``), 2.153 (4) and 2.195 (16): within 1%.
 * Storage. Momenta are float8 e4m3 codes with one bfloat16 scale per row, the
   smallest power of two at or above ``max|u| / 448`` (448 is e4m3's largest
   value): dividing by a power of two is exact, so codes round only once and
@@ -150,18 +158,19 @@ class ScaleByTacoState(NamedTuple):
 
   Per parameter of matrix shape ``(batch_shape, n_in, n_out)`` (see
   :class:`MatrixAxes`), with rows cut into ``parts`` segments of ``width``
-  columns: ``slots = parts * min(k // segments, n_out - (parts - 1) * width)``,
-  which is ``min(k, n_out)`` for one segment. Slots are ordered segment by
-  segment, each segment's by decreasing ``|momentum|``.
+  columns, each keeping ``slots = min(k // segments, n_out - (parts - 1) *
+  width)`` heavy hitters by decreasing ``|momentum|`` (``parts = 1`` and
+  ``slots = min(k, n_out)`` for one segment). The segment axis lets the state
+  shard with its parameter's output axis (``optax_memopt.state_shardings``).
   """
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
-  # shape=(*batch_shape, n_in, slots), dtype=jnp.int16 (int32 above 32768
-  # outputs): the tracked output indices, distinct within a row.
+  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.int16 (int32 above
+  # 32768 outputs): the tracked output indices, distinct within a row.
   index: optax.Updates
-  # shape=(*batch_shape, n_in, slots), dtype=jnp.float8_e4m3fn: momentum / scale.
+  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: momentum / scale.
   momentum: optax.Updates
-  # shape=(*batch_shape, n_in, min(slots, 1)), dtype=jnp.bfloat16: a power of two.
+  # shape=(*batch_shape, n_in, min(parts * slots, 1)), dtype=jnp.bfloat16: a power of two.
   scale: optax.Updates
 
 
@@ -266,20 +275,21 @@ def scale_by_taco(
   where :math:`\hat{u}` is the stored momentum on the row's tracked entries
   and 0 elsewhere; the ``min(k, n_out)`` entries of largest ``|U|`` are
   stored (float8 e4m3 with a power-of-two bfloat16 scale per row, int16
-  indices) for the next step. With ``segments > 1`` the row is cut into that
-  many contiguous parts and each keeps its ``k / segments`` largest. The
-  module docstring lists these choices.
+  indices) for the next step, or, by default, the row is cut into ``k``
+  contiguous parts and each keeps its largest (``segments``). The module
+  docstring lists these choices.
 
   Args:
     k: heavy hitters kept per row (torch column), ``>= 0``; fixes the state's
       shape, so it is static under ``optax.inject_hyperparams``.
     beta: momentum decay in ``[0, 1)``; unused when ``k = 0``.
     segments: contiguous parts of each row that keep ``k / segments`` heavy
-      hitters each, ``>= 1`` and dividing ``k``; ``None`` is 1. It fixes the
-      state's shape: when given, list it in ``static_args`` of
-      ``optax.inject_hyperparams``. ``segments = k`` selects by reductions,
-      several times faster on CPU than the per-row top-k of one segment;
-      see the module docstring.
+      hitters each, ``>= 1`` and dividing ``k``; ``None`` is ``k`` (one
+      each, selected by reductions: several times faster on CPU than the
+      per-row top-k of ``segments = 1``, which keeps the row's ``k`` largest
+      wherever they are; see the module docstring). It fixes the state's
+      shape: when given, list it in ``static_args`` of
+      ``optax.inject_hyperparams``.
     matrix_axes: a :class:`MatrixAxes` for every parameter, or a function
       ``(path, parameter) -> MatrixAxes``. Every parameter must have an
       output axis left (use :func:`taco` to route the others elsewhere).
@@ -311,7 +321,7 @@ def scale_by_taco(
     for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
   """
   k = hyperparameters.check_int("k", k, 0, hint=" (0 is stateless TACO)")
-  segments = hyperparameters.check_int("segments", 1 if segments is None else segments, 1)
+  segments = hyperparameters.check_int("segments", max(k, 1) if segments is None else segments, 1)
   if k % segments:
     raise ValueError(f"segments must divide k={k}; got {segments}.")
   hyperparameters.check_decay_rate("beta", beta)
@@ -325,12 +335,11 @@ def scale_by_taco(
     batch_shape, n_in, n_out, cut = layout(path, param)
     rows = (*batch_shape, n_in)
     # Each segment starts on its first columns, with zero momentum.
-    first_columns = (
-        jnp.arange(cut.count)[:, None] * cut.width + jnp.arange(cut.per_segment)
-    ).reshape(cut.slots)
+    first_columns = jnp.arange(cut.count)[:, None] * cut.width + jnp.arange(cut.per_segment)
+    slots = (*rows, cut.count, cut.per_segment)
     return (
-        jnp.broadcast_to(first_columns.astype(_index_dtype(n_out)), (*rows, cut.slots)),
-        jnp.zeros((*rows, cut.slots), _CODE_DTYPE),
+        jnp.broadcast_to(first_columns.astype(_index_dtype(n_out)), slots),
+        jnp.zeros(slots, _CODE_DTYPE),
         jnp.ones((*rows, min(cut.slots, 1)), _SCALE_DTYPE),
     )
 
@@ -345,40 +354,42 @@ def scale_by_taco(
     if grad.size == 0:  # No row to select from, and n_out / n_in is undefined.
       return jnp.zeros_like(grad), index, codes, scale
     rows = math.prod(batch_shape) * n_in
-    # One row of column_select per segment; the last one zero padded.
-    segment_rows = rows * cut.count
     grads = grad.reshape(rows, n_out)
     if cut.count * cut.width > n_out:
       grads = jnp.pad(grads, ((0, 0), (0, cut.count * cut.width - n_out)))
+    # Segments stay an axis of their own, (rows, segments, width): where
+    # tensor parallelism splits the outputs at segment boundaries, every
+    # device selects in its own segments and keeps their slots.
     start = (jnp.arange(cut.count, dtype=jnp.int32) * cut.width)[:, None]
     decay = jnp.asarray(beta, jnp.float32)
     # column_select ranks |g + offset| = |U| / (1 - beta), the same order.
-    offset = decay / (1 - decay) * _dequantize(codes, scale)
+    # The weight beta / (1 - beta) is rounded to bfloat16 so that the offset
+    # (8 bits times the codes' 4) is exact: XLA recomputes u in each of the
+    # selection's reductions and may fuse the product into the add there
+    # (an FMA) or not; with an exact product both round u the same way.
+    weight = (decay / (1 - decay)).astype(jnp.bfloat16).astype(jnp.float32)
+    offset = weight * _dequantize(codes, scale[..., None])
     selection = column_select(
-        grads.reshape(segment_rows, cut.width),
-        (index.astype(jnp.int32).reshape(rows, cut.count, cut.per_segment) - start).reshape(
-            segment_rows, cut.per_segment
-        ),
-        offset.reshape(segment_rows, cut.per_segment),
+        grads.reshape(rows, cut.count, cut.width),
+        index.astype(jnp.int32).reshape(rows, cut.count, cut.per_segment) - start,
+        offset.reshape(rows, cut.count, cut.per_segment),
         keep=max(cut.per_segment, 1),
         implementation=implementation,
     )
-    columns = (selection.index.reshape(rows, cut.count, -1) + start).reshape(rows, -1)
-    values = selection.value.reshape(rows, -1)
     # Each segment's first slot holds its largest |U|, so the row's largest
     # is the first largest of those (segments run in column order: ties still
     # go to the lower column). A small array: XLA selects it on any backend.
-    keep = max(cut.per_segment, 1)
-    top = keep * column_select(values[:, ::keep], implementation="xla").index
-    sign = jnp.sign(jnp.take_along_axis(values, top, axis=1))
-    on_top = jnp.arange(n_out) == jnp.take_along_axis(columns, top, axis=1)
-    direction = jnp.where(on_top, (n_out / n_in) * sign, 0).astype(grad.dtype)
+    top = column_select(selection.value[..., 0], implementation="xla").index
+    top_value = jnp.take_along_axis(selection.value[..., 0], top, axis=1)
+    top_column = jnp.take_along_axis(selection.index[..., 0] + start[:, 0], top, axis=1)
+    on_top = jnp.arange(n_out) == top_column
+    direction = jnp.where(on_top, (n_out / n_in) * jnp.sign(top_value), 0).astype(grad.dtype)
     if cut.slots == 0:
       return direction.reshape(grad.shape), index, codes, scale
-    new_codes, new_scale = _quantize((1 - decay) * values)
+    new_codes, new_scale = _quantize((1 - decay) * selection.value.reshape(rows, -1))
     return (
         direction.reshape(grad.shape),
-        columns.astype(index.dtype).reshape(index.shape),
+        (selection.index + start).astype(index.dtype).reshape(index.shape),
         new_codes.reshape(codes.shape),
         new_scale.reshape(scale.shape),
     )
@@ -497,7 +508,8 @@ def taco(
       ``labels`` or ``matrix_axes``) in ``static_args`` of
       ``optax.inject_hyperparams``, which otherwise reads them as schedules.
     segments: parts of each row with their own heavy hitters, dividing ``k``
-      (``None``: one); static, see :func:`scale_by_taco`.
+      (``None``: ``k``, one each; 1 keeps the row's ``k`` largest); static,
+      see :func:`scale_by_taco`.
     matrix_axes: how parameters are read as matrices, see :class:`MatrixAxes`.
     embedding_names: path substrings of embeddings sent to the fallback by
       the default labels.

@@ -3,7 +3,7 @@
 TACO (arXiv 2610.02199) steps, in every column of a torch-layout weight, on
 the entry of largest magnitude. In Flax's ``(in, out)`` kernel layout a torch
 column is a *row*, so this op works on the rows of a ``[rows, width]``
-gradient ``g``. Each row may carry ``t`` tracked entries (TACO's heavy
+gradient ``g`` (or ``[*rows, width]``: TACO cuts rows into parts). Each row may carry ``t`` tracked entries (TACO's heavy
 hitters): column indices ``c[r, s]``, distinct within a row, with offsets
 ``o[r, s]`` added to the gradient there:
 
@@ -55,6 +55,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -85,19 +86,22 @@ _FUSED_REDUCTION = 32
 class ColumnSelection(NamedTuple):
   """What ``column_select`` returns, per row ``r`` and rank ``j < keep``."""
 
-  index: jax.Array  # shape=(rows, keep), dtype=jnp.int32: columns by decreasing |u|.
-  value: jax.Array  # shape=(rows, keep), dtype=jnp.float32: u[r, index[r, j]].
+  index: jax.Array  # shape=(*rows, keep), dtype=jnp.int32: columns by decreasing |u|.
+  value: jax.Array  # shape=(*rows, keep), dtype=jnp.float32: u[r, index[r, j]].
 
 
 def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: jax.Array) -> jax.Array:
   u = grads.astype(jnp.float32)
-  if tracked_index.shape[1] == 1:
+  if tracked_index.shape[-1] == 1:
     # One compare per entry, fused into the reductions that read u: cheaper
-    # on XLA:CPU than a scatter into a materialized copy.
-    position = jnp.arange(u.shape[1], dtype=jnp.int32)
+    # on XLA:CPU than a scatter into a materialized copy, and elementwise, so
+    # the partitioner keeps every axis of u split as the gradient's.
+    position = jnp.arange(u.shape[-1], dtype=jnp.int32)
     return jnp.where(position == tracked_index, u + tracked_offset, u)
-  rows = jnp.arange(grads.shape[0])[:, None]
-  return u.at[rows, tracked_index].add(tracked_offset)
+  n_rows = math.prod(u.shape[:-1])
+  as_matrix = lambda x: x.reshape(n_rows, x.shape[-1])
+  rows = jnp.arange(n_rows)[:, None]
+  return as_matrix(u).at[rows, as_matrix(tracked_index)].add(as_matrix(tracked_offset)).reshape(u.shape)
 
 
 def _largest(u: jax.Array, keep: int) -> jax.Array:
@@ -118,14 +122,14 @@ def _first_largest(u: jax.Array) -> jax.Array:
   a tree and materializes ``u`` and its keys first. So rows reduce in chunks
   of the widest divisor of the width up to that, then across chunks.
   """
-  rows, width = u.shape
+  *rows, width = u.shape
   chunk = max(d for d in range(1, min(width, _FUSED_REDUCTION) + 1) if width % d == 0)
-  keys = magnitude_key(u).reshape(rows, width // chunk, chunk)
+  keys = magnitude_key(u).reshape(*rows, width // chunk, chunk)
   # The barrier keeps XLA from merging the two maxima into one wide reduction.
-  largest = jnp.max(lax.optimization_barrier(jnp.max(keys, axis=2)), axis=1)[:, None, None]
+  largest = jnp.max(lax.optimization_barrier(jnp.max(keys, axis=-1)), axis=-1)[..., None, None]
   position = jnp.arange(width, dtype=jnp.int32).reshape(width // chunk, chunk)
-  first = jnp.min(jnp.where(keys == largest, position, width), axis=2)
-  return jnp.min(first, axis=1, keepdims=True)
+  first = jnp.min(jnp.where(keys == largest, position, width), axis=-1)
+  return jnp.min(first, axis=-1, keepdims=True)
 
 
 def _values_at(grads, tracked_index, tracked_offset, index: jax.Array) -> jax.Array:
@@ -136,9 +140,9 @@ def _values_at(grads, tracked_index, tracked_offset, index: jax.Array) -> jax.Ar
   -0.0 leaves every float as it is, so an index with no tracked offset gets
   ``grads`` exactly and one with an offset ``grads + offset``, as ``u``.
   """
-  hit = index[:, :, None] == tracked_index[:, None, :]
-  offset = jnp.sum(jnp.where(hit, tracked_offset[:, None, :], -0.0), axis=2)
-  return jnp.take_along_axis(grads.astype(jnp.float32), index, axis=1) + offset
+  hit = index[..., :, None] == tracked_index[..., None, :]
+  offset = jnp.sum(jnp.where(hit, tracked_offset[..., None, :], -0.0), axis=-1)
+  return jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1) + offset
 
 
 def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
@@ -240,10 +244,13 @@ def _column_select(
   tracked_offset = tracked_offset.astype(jnp.float32)
   if implementation == "xla":
     return _select_xla(grads, tracked_index, tracked_offset, keep)
-  return _select_pallas(
-      grads, tracked_index, tracked_offset, keep, segment_width,
-      interpret=implementation == "interpret",
+  rows = grads.shape[:-1]
+  as_matrix = lambda x: x.reshape(math.prod(rows), x.shape[-1])
+  selection = _select_pallas(
+      as_matrix(grads), as_matrix(tracked_index), as_matrix(tracked_offset),
+      keep, segment_width, interpret=implementation == "interpret",
   )
+  return ColumnSelection(*(leaf.reshape(*rows, keep) for leaf in selection))
 
 
 def default_segment_width(width: int, keep: int) -> int | None:
@@ -285,11 +292,13 @@ def column_select(
   by decreasing ``|u|``, ties toward the lower column (module docstring).
 
   Args:
-    grads: ``[rows, width]`` floating array (a Flax ``(in, out)`` kernel's
-      gradient: row ``r`` is the torch column of input feature ``r``).
-    tracked_index: ``[rows, t]`` integer columns in ``[0, width)``, distinct
+    grads: ``[*rows, width]`` floating array, one or more row axes (a Flax
+      ``(in, out)`` kernel's gradient: row ``r`` is the torch column of input
+      feature ``r``; a leading axis is kept as it is, so the partitioner
+      keeps it split as the caller's).
+    tracked_index: ``[*rows, t]`` integer columns in ``[0, width)``, distinct
       within a row; ``None`` (with ``tracked_offset``) for no tracked entries.
-    tracked_offset: ``[rows, t]`` offsets added to ``grads`` at
+    tracked_offset: ``[*rows, t]`` offsets added to ``grads`` at
       ``tracked_index``.
     keep: columns returned per row, in ``[1, width]``.
     implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
@@ -303,11 +312,11 @@ def column_select(
 
   Returns:
     A ``ColumnSelection``: ``index`` (int32) and ``value = u[r, index]``
-    (float32), both ``[rows, keep]``.
+    (float32), both ``[*rows, keep]``.
 
   Raises:
-    ValueError: for a non-2-D or non-floating ``grads``, tracked arrays of
-      another shape than ``[rows, t]`` or given alone, ``keep`` or
+    ValueError: for a ``grads`` of fewer than 2 axes or not floating, tracked
+      arrays of another shape than ``[*rows, t]`` or given alone, ``keep`` or
       ``segment_width`` out of range, an unknown ``implementation``, or a
       Pallas implementation asked for what the kernel does not support.
 
@@ -332,19 +341,20 @@ def column_select(
     for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
   """
   grads = jnp.asarray(grads)
-  if grads.ndim != 2 or not jnp.issubdtype(grads.dtype, jnp.floating):
+  if grads.ndim < 2 or not jnp.issubdtype(grads.dtype, jnp.floating):
     raise ValueError(
-        f"grads must be a 2-D floating array [rows, width]; got {grads.dtype}{list(grads.shape)}."
+        "grads must be a floating array [*rows, width] of at least 2 axes; got"
+        f" {grads.dtype}{list(grads.shape)}."
     )
-  rows, width = grads.shape
+  *rows, width = grads.shape
   if (tracked_index is None) != (tracked_offset is None):
     raise ValueError("tracked_index and tracked_offset must be given together.")
   if tracked_index is None:
-    tracked_index = jnp.zeros((rows, 0), jnp.int32)
-    tracked_offset = jnp.zeros((rows, 0), jnp.float32)
+    tracked_index = jnp.zeros((*rows, 0), jnp.int32)
+    tracked_offset = jnp.zeros((*rows, 0), jnp.float32)
   for name, tracked in (("tracked_index", tracked_index), ("tracked_offset", tracked_offset)):
-    if jnp.ndim(tracked) != 2 or jnp.shape(tracked)[0] != rows:
-      raise ValueError(f"{name} must have shape [rows={rows}, t]; got {list(jnp.shape(tracked))}.")
+    if list(jnp.shape(tracked)[:-1]) != rows or jnp.ndim(tracked) != grads.ndim:
+      raise ValueError(f"{name} must have shape [*rows={rows}, t]; got {list(jnp.shape(tracked))}.")
   if jnp.shape(tracked_index) != jnp.shape(tracked_offset):
     raise ValueError(
         "tracked_index and tracked_offset must have the same shape; got"
@@ -382,21 +392,23 @@ def column_select(
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:
-  """TACO's argmax and heavy-hitter merge at LLM widths, fp32 and bf16, one and many segments."""
+  """TACO's argmax and heavy-hitter merge at LLM widths, fp32 and bf16, one and many segments, rows in parts."""
   cases = (
       # name, rows, width, dtype, tracked, keep
-      ("argmax", 4096, 4096, jnp.bfloat16, 0, 1),
-      ("heavy_hitters", 1024, 4096, jnp.float32, 16, 16),
+      ("argmax", (4096,), 4096, jnp.bfloat16, 0, 1),
+      ("heavy_hitters", (1024,), 4096, jnp.float32, 16, 16),
       # 11008 = 43 * 256: 43 segments of 256, merged by XLA.
-      ("heavy_hitters_segmented", 512, 11008, jnp.bfloat16, 16, 16),
+      ("heavy_hitters_segmented", (512,), 11008, jnp.bfloat16, 16, 16),
+      # TACO's default: rows of 4096 in 16 parts of one heavy hitter each.
+      ("one_per_part", (1024, 16), 256, jnp.bfloat16, 1, 1),
   )
   examples = []
   for name, rows, width, dtype, tracked, keep in cases:
-    args = (jax.ShapeDtypeStruct((rows, width), dtype),)
+    args = (jax.ShapeDtypeStruct((*rows, width), dtype),)
     if tracked:
       args += (
-          jax.ShapeDtypeStruct((rows, tracked), jnp.int16),
-          jax.ShapeDtypeStruct((rows, tracked), jnp.float32),
+          jax.ShapeDtypeStruct((*rows, tracked), jnp.int16),
+          jax.ShapeDtypeStruct((*rows, tracked), jnp.float32),
       )
     examples.append(
         _backend.LoweringExample(

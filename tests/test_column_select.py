@@ -111,6 +111,24 @@ def test_a_short_last_segment_never_offers_a_column_twice():
   np.testing.assert_array_equal(selection.value, [[10.0, -9.0, 1.0]])
 
 
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+@pytest.mark.parametrize("tracked, keep", [(0, 1), (1, 1), (3, 2)])
+def test_leading_row_axes_select_as_the_flattened_rows(implementation, tracked, keep):
+  seed = fresh_seed()
+  grads, index, offset = draw_case(seed, 6, 40, tracked)
+  flat = column_select(
+      jnp.asarray(grads), jnp.asarray(index), jnp.asarray(offset),
+      keep=keep, implementation=implementation,
+  )
+  batched = column_select(
+      *(jnp.asarray(x).reshape(2, 3, x.shape[-1]) for x in (grads, index, offset)),
+      keep=keep, implementation=implementation,
+  )
+  assert batched.index.shape == batched.value.shape == (2, 3, keep)
+  np.testing.assert_array_equal(batched.index.reshape(6, keep), flat.index, err_msg=f"seed={seed}")
+  np.testing.assert_array_equal(batched.value.reshape(6, keep), flat.value, err_msg=f"seed={seed}")
+
+
 def test_tracked_offsets_change_the_ranking():
   grads = jnp.array([[3.0, 1.0, -2.0, 0.5]])
   # The offset at column 3 lifts it to 4.5, the one at column 0 cancels it.
@@ -137,15 +155,15 @@ def test_default_segment_width_pads_rows_least():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(grads=jnp.zeros((4,))), "grads must be a 2-D floating"),
-        (dict(grads=jnp.zeros((2, 4), jnp.int32)), "grads must be a 2-D floating"),
+        (dict(grads=jnp.zeros((4,))), "grads must be a floating array"),
+        (dict(grads=jnp.zeros((2, 4), jnp.int32)), "grads must be a floating array"),
         (dict(keep=0), r"keep must be in \[1, width=4\]"),
         (dict(keep=5), r"keep must be in \[1, width=4\]"),
         (dict(keep=1.5), "keep must be an int"),
         (dict(tracked_index=jnp.zeros((2, 1), jnp.int32)), "must be given together"),
         (
             dict(tracked_index=jnp.zeros((3, 1), jnp.int32), tracked_offset=jnp.zeros((3, 1))),
-            r"tracked_index must have shape \[rows=2, t\]",
+            r"tracked_index must have shape \[\*rows=\[2\], t\]",
         ),
         (
             dict(tracked_index=jnp.zeros((2, 1), jnp.int32), tracked_offset=jnp.zeros((2, 2))),

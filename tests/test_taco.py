@@ -123,7 +123,8 @@ def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype):
   chex.assert_trees_all_close(alias_updates, jax.tree.map(lambda u: -0.5 * u, updates))
 
 
-def test_heavy_hitter_state_stays_valid():
+@pytest.mark.parametrize("segments", [1, None])  # the row's top k; k parts of one (the default)
+def test_heavy_hitter_state_stays_valid(segments):
   seed = fresh_seed()
   rng = np.random.default_rng(seed)
   shapes = {"wide": (24, 40), "narrow": (8, 3), "stacked": (2, 16, 50)}
@@ -131,6 +132,7 @@ def test_heavy_hitter_state_stays_valid():
   tx = optax_memopt.scale_by_taco(
       k=k,
       beta=0.9,
+      segments=segments,
       matrix_axes=lambda path, p: MatrixAxes(batch_dims=int(path[0].key == "stacked")),
   )
   params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
@@ -141,37 +143,48 @@ def test_heavy_hitter_state_stays_valid():
     updates, state = update(grads, state)
   for name, shape in shapes.items():
     n_out = shape[-1]
-    slots = min(k, n_out)  # at most k entries per torch column
+    # At most k entries per torch column: one part of min(k, n_out), or
+    # parts of ceil(n_out / k) columns with one each (fewer than k when
+    # n_out < k).
+    if segments == 1:
+      parts, per_part = 1, min(k, n_out)
+    else:
+      parts, per_part = -(-n_out // -(-n_out // k)), 1
+    slots = parts * per_part
     index, codes, scale = state.index[name], state.momentum[name], state.scale[name]
     message = f"{name}, seed={seed}"
-    assert index.shape == (*shape[:-1], slots) and index.dtype == jnp.int16, message
+    assert index.shape == (*shape[:-1], parts, per_part) and index.dtype == jnp.int16, message
     assert codes.shape == index.shape and codes.dtype == jnp.float8_e4m3fn, message
     assert scale.shape == (*shape[:-1], 1) and scale.dtype == jnp.bfloat16, message
     index = np.asarray(index).reshape(-1, slots)
     assert index.min() >= 0 and index.max() < n_out, message
     assert all(len(set(row)) == slots for row in index), message  # distinct per row
-    momentum = dequantized(codes, scale).reshape(-1, slots)
+    momentum = dequantized(codes, scale[..., None]).reshape(-1, slots)
     scale = np.asarray(scale, np.float32)
     assert np.all(np.isfinite(momentum)) and np.all(np.isfinite(scale)) and np.all(scale > 0), message
     assert np.all(np.log2(scale) == np.round(np.log2(scale))), message  # powers of two
-    # The step lands on the first slot, the largest momentum, signed like it.
+    # The step lands on a tracked entry of the largest momentum, signed like it.
     direction = np.asarray(updates[name]).reshape(-1, n_out)
     n_in = shape[-2]
     assert np.all(np.count_nonzero(direction, axis=1) == 1), message
-    np.testing.assert_array_equal(np.argmax(np.abs(direction), axis=1), index[:, 0], message)
+    step_column = np.argmax(np.abs(direction), axis=1)
+    step_slot = np.argmax(index == step_column[:, None], axis=1)
+    assert np.all(index[np.arange(len(index)), step_slot] == step_column), message
+    stepped = momentum[np.arange(len(index)), step_slot]
+    np.testing.assert_array_equal(np.abs(stepped), np.abs(momentum).max(axis=1), message)
     np.testing.assert_array_equal(
-        direction[np.arange(len(index)), index[:, 0]],
-        np.float32(n_out / n_in) * np.sign(momentum[:, 0]),
-        message,
+        direction[np.arange(len(index)), step_column], np.float32(n_out / n_in) * np.sign(stepped), message
     )
 
 
+@pytest.mark.parametrize("segments", [1, None])
 @pytest.mark.parametrize("shape", [(6, 5), (4, 8)])
-def test_tracking_every_output_is_momentum_then_vanilla_selection(shape):
+def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segments):
   seed = fresh_seed()
   beta, steps = 0.5, 4
   grads = ternary_grads(seed, steps, shape)
-  tx = optax_memopt.scale_by_taco(k=8, beta=beta)  # k >= n_out: every entry tracked
+  # k >= n_out: every entry tracked, in one part or in parts of one column.
+  tx = optax_memopt.scale_by_taco(k=8, beta=beta, segments=segments)
   state = tx.init({"w": jnp.zeros(shape)})
   momentum = np.zeros(shape)
   for g in grads:
@@ -180,7 +193,12 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape):
     updates, state = tx.update({"w": jnp.asarray(g)}, state)
     np.testing.assert_array_equal(updates["w"], numpy_direction(momentum), err_msg=f"seed={seed}")
   stored = np.zeros(shape)
-  np.put_along_axis(stored, np.asarray(state.index["w"], np.int64), dequantized(state.momentum["w"], state.scale["w"]), axis=1)
+  np.put_along_axis(
+      stored,
+      np.asarray(state.index["w"], np.int64).reshape(shape[0], -1),
+      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(shape[0], -1),
+      axis=1,
+  )
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
 
@@ -204,9 +222,12 @@ def test_partial_tracking_follows_the_merge_rule(k, segments):
   for step, (g, want) in enumerate(zip(grads, want_directions)):
     updates, state = tx.update({"w": jnp.asarray(g)}, state)
     np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
-  np.testing.assert_array_equal(state.index["w"], want_columns, err_msg=f"seed={seed}")
+  rows = shape[0]
+  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
   np.testing.assert_array_equal(
-      dequantized(state.momentum["w"], state.scale["w"]), want_momenta, err_msg=f"seed={seed}"
+      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
+      want_momenta,
+      err_msg=f"seed={seed}",
   )
 
 
