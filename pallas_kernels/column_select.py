@@ -299,7 +299,12 @@ def column_select(
     tracked_index: ``[*rows, t]`` integer columns in ``[0, width)``, distinct
       within a row; ``None`` (with ``tracked_offset``) for no tracked entries.
     tracked_offset: ``[*rows, t]`` offsets added to ``grads`` at
-      ``tracked_index``.
+      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA
+      recomputes ``u`` in each of the two reductions: if the offset is an
+      inexact product computed in the same jit, XLA may fuse it into the add
+      as an FMA in one reduction and not the other, and a row's largest
+      would then match no entry. Pass offsets whose product is exact (TACO
+      rounds its momentum weight to bfloat16) or computed outside the jit.
     keep: columns returned per row, in ``[1, width]``.
     implementation: ``None`` (auto), ``"xla"``, ``"pallas"`` or
       ``"interpret"``. ``None`` picks the Pallas kernel on a Hopper-or-newer
