@@ -87,29 +87,26 @@ def owners(state: Any, params: Any) -> Any:
 
 
 def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
-  """Whether a leaf is ``(*shape[:-1], blocks, per_block)`` with ``blocks`` dividing ``shape[-1]``.
+  """Whether a leaf is ``(*shape[:-1], blocks, per_block)``: the parameter's last axis cut up.
 
   Block-major packed codes and their ``(..., blocks, 1)`` scales (ternary
-  Adam's moment), TACO's ``(..., rows, segments, slots)`` heavy hitters.
-  Matrices and higher only: a vector's flat buffers
-  (MicroAdam's ``(window, n)`` rings) have the same rank pattern.
+  Adam's moment), TACO's ``(..., rows, parts, slots)`` heavy hitters.
+  Matrices and higher only: a vector's flat buffers (MicroAdam's
+  ``(window, n)`` rings) have the same rank pattern.
   """
   return (
       len(shape) >= 2
       and len(leaf_shape) == len(shape) + 1
       and leaf_shape[: len(shape) - 1] == shape[:-1]
-      and leaf_shape[-2] > 0
-      and shape[-1] % leaf_shape[-2] == 0
   )
 
 
 def _block_major_spec(leaf_shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
-  """The parameter's spec, its last axis's mesh axes on the blocks axis where they divide it."""
+  """The parameter's spec on the leading axes, its last axis's mesh axes on the blocks where they divide them."""
   last = spec[-1]
   names = () if last is None else (last if isinstance(last, tuple) else (last,))
   shards = math.prod(mesh.shape[name] for name in names)
-  blocks_spec = last if leaf_shape[-2] % shards == 0 else None
-  return PartitionSpec(*spec[:-1], blocks_spec, None)
+  return PartitionSpec(*spec[:-1], last if leaf_shape[-2] % shards == 0 else None, None)
 
 
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
@@ -122,9 +119,11 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   * the parameter is replicated: replicated;
   * the parameter's shape with its last axis cut into blocks,
     ``(*shape[:-1], blocks, per_block)`` (ternary Adam's block-major codes and
-    their ``(..., blocks, 1)`` scales, TACO's heavy hitters per row segment):
-    sharded as the parameter, with the mesh axes of its last axis on
-    ``blocks`` where they divide it;
+    their ``(..., blocks, 1)`` scales, TACO's heavy hitters per row part):
+    sharded as the parameter on the leading axes, with the mesh axes of its
+    last axis on ``blocks`` where they divide it (replicated over them
+    otherwise). Each device holds the blocks of its own columns when the
+    blocks also cut the last axis evenly;
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;

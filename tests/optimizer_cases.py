@@ -62,3 +62,17 @@ CASES: dict[str, OptimizerCase] = {
         static_args=("block_size", "min_size", "key"),
     ),
 }
+
+# Layouts that only the sharded tests tell apart, on tests.sharding_check's
+# tree (matrices 256 and 512 wide, tensor parallelism of 2 over the outputs).
+SHARDING_CASES: dict[str, OptimizerCase] = {
+    **CASES,
+    # Three parts of a row do not split over tp = 2: replicated over it.
+    "taco_parts_across_tp": OptimizerCase(
+        optax_memopt.taco, dict(learning_rate=1e-2, k=3), static_args=("k",)
+    ),
+    # One part: the row's k largest, wherever they are.
+    "taco_one_segment": OptimizerCase(
+        optax_memopt.taco, dict(learning_rate=1e-2, k=4, segments=1), static_args=("k", "segments")
+    ),
+}

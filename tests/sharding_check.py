@@ -6,7 +6,7 @@ host-platform devices is fixed when JAX starts::
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python -m tests.sharding_check [names...]
 
-For each optimizer of ``tests.optimizer_cases.CASES``: the parameters are
+For each optimizer of ``tests.optimizer_cases.SHARDING_CASES``: the parameters are
 laid out on a ``("fsdp", "tp") = (4, 2)`` mesh (``benchmarks.sharding``:
 FSDP on the first axis of every matrix, tensor parallelism on the last,
 vectors replicated), the state is initialised by
@@ -22,8 +22,9 @@ The shapes divide the mesh, and the registry's block sizes divide the
 shards: every matrix has ``2**17`` elements, so an eighth of one is a whole
 number of MicroAdam's 256-element blocks and 64-element buckets and of
 ternary Adam's 32-element blocks; Adam-mini's 4 query heads of 128 columns
-fall two to a tensor-parallel shard; TACO's per-row state follows the rows
-over ``fsdp``.
+fall two to a tensor-parallel shard; TACO's rows follow ``fsdp`` and their
+parts ``tp`` (the default four parts of 64 or 128 columns, two per shard), or
+stay whole over ``tp`` (three parts, or one).
 
 Prints one JSON object: ``{name: result}``, where a result holds the
 measurements ``tests/test_sharding.py`` asserts on, or ``{"error": ...}``.
@@ -55,7 +56,7 @@ from jax.sharding import AxisType  # noqa: E402
 from benchmarks import sharding as layout  # noqa: E402
 import optax_memopt  # noqa: E402
 from optax_memopt import state_nbytes  # noqa: E402
-from tests.optimizer_cases import CASES  # noqa: E402
+from tests.optimizer_cases import SHARDING_CASES  # noqa: E402
 
 N_DEVICES = 8
 STEPS = 4
@@ -172,7 +173,7 @@ def explicit_axes_run(optimizer, host_params, gradients):
 
 
 def check(name: str, workdir: str) -> dict:
-  case = CASES[name]
+  case = SHARDING_CASES[name]
   optimizer = case.factory(**case.kwargs)
   host_params = make_params()
   gradients = make_gradients(host_params, STEPS)
@@ -242,7 +243,7 @@ def main(names: list[str]) -> None:
     )
   results = {}
   with tempfile.TemporaryDirectory() as workdir:
-    for name in names or sorted(CASES):
+    for name in names or sorted(SHARDING_CASES):
       start = time.perf_counter()
       try:
         results[name] = check(name, workdir)

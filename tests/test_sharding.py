@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from tests import host_devices
-from tests.optimizer_cases import CASES
+from tests.optimizer_cases import SHARDING_CASES
 
-NAMES = sorted(CASES)
+NAMES = sorted(SHARDING_CASES)
 # Float leaves may differ by the rounding of reductions split across devices
 # (Adam-mini's block means, factored statistics): a few fp32 ulps of the
 # leaf's largest entry, or one rounding step of a low-precision stored value.
