@@ -304,10 +304,12 @@ def scale_by_ternary_adam(
         # Each mean squares the gradient itself: XLA:CPU would otherwise
         # write g**2 out once and read it twice, at twice the cost.
         g_for_columns = lax.optimization_barrier(g)
+        # mean(g**2) + eps: the mean(g**2 + eps) of the math, without a
+        # tensor of eps that XLA:CPU would write out for the reductions.
         nu = FactoredSecondMoment(
-            row=b2_ * nu.row + (1 - b2_) * jnp.mean(jnp.square(g) + _FACTORED_EPS, axis=-1),
+            row=b2_ * nu.row + (1 - b2_) * (jnp.mean(jnp.square(g), axis=-1) + _FACTORED_EPS),
             col=b2_ * nu.col
-            + (1 - b2_) * jnp.mean(jnp.square(g_for_columns) + _FACTORED_EPS, axis=-2),
+            + (1 - b2_) * (jnp.mean(jnp.square(g_for_columns), axis=-2) + _FACTORED_EPS),
         )
       step = fused_step.ternary_adam_update(
           grad,

@@ -23,12 +23,17 @@ unspecified results.
 Random bits. Mosaic GPU has no random number generator inside kernels, so the
 uniforms are a counter-based hash, not ``jax.random``'s stream: one uint32
 seed is drawn from ``key`` per call (``jax.random.bits``), and element ``i``
-gets ``u_i = (h(seed XOR i) >> 8) / 2**24`` with ``h`` the ``triple32``
-integer hash (C. Wellons, "Prospecting for hash functions", 2018): three
-rounds of xor-shift and multiply in uint32, plain jnp arithmetic shared by the
+gets ``u_i = (h(seed XOR i) >> 8) / 2**24`` with ``h(x) = y XOR (y >> 16)``,
+``y = x * 0x9E3779B1`` (an odd multiplier, 2**32 over the golden ratio): one
+multiply and one xor-shift in uint32, plain jnp arithmetic shared by the
 kernel body and the XLA code, so both give identical trits for the same key.
-``h`` is a bijection, so within a call no two elements share their bits;
-indices are taken modulo ``2**32``.
+The seed is uniform, so each ``u_i`` is exactly uniform over the 2**24 values
+and the rounding is unbiased whatever the mixing; one round rather than the
+three of a full-avalanche hash (``triple32``) because the hash was a large
+share of the step's arithmetic on CPUs. Neighbouring elements get
+evenly spread top bits (a Weyl sequence), which only evens out the rounding
+of a block. ``h`` is a bijection, so within a call no two elements share
+their bits; indices are taken modulo ``2**32``.
 
 Packing (``packing=``), both in the planar layout of
 :mod:`pallas_kernels.packing` with codes ``t + 1`` in ``{0, 1, 2}``:
@@ -195,15 +200,13 @@ def seed_from_key(key: jax.Array) -> jax.Array:
 
 
 def counter_hash_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
-  """The uint32 random bits of elements ``index``: ``triple32(seed ^ index)``.
+  """The uint32 random bits of elements ``index``: one multiply-xorshift of ``seed ^ index``.
 
   Plain uint32 multiply, xor and shift (all Mosaic GPU lowers), so the same
   function runs in kernel bodies and in XLA.
   """
-  bits = index ^ seed
-  for shift, multiplier in ((17, 0xED5AD4BB), (11, 0xAC4C1B51), (15, 0x31848BAB)):
-    bits = (bits ^ (bits >> jnp.uint32(shift))) * jnp.uint32(multiplier)
-  return bits ^ (bits >> jnp.uint32(14))
+  bits = (index ^ seed) * jnp.uint32(0x9E3779B1)
+  return bits ^ (bits >> jnp.uint32(16))
 
 
 def _uniforms(bits: jax.Array) -> jax.Array:

@@ -37,9 +37,10 @@ past the block's end hold code 1 (a zero trit). Base 3 takes 7, 13, 26 and 52
 bytes for blocks of 32, 64, 128 and 256 elements (1.75, 1.625, 1.625 and
 1.625 bits per element); ``"2bit"`` exactly 2 bits.
 
-The square root is ``x * rsqrt(x)`` (and 0 at ``x = 0``): Mosaic GPU on JAX
-0.10 lowers ``rsqrt`` but not ``sqrt``, and the reference uses the same
-function so that both implementations agree.
+The kernel takes the square root as ``x * rsqrt(x)`` (and 0 at ``x = 0``):
+Mosaic GPU on JAX 0.10 lowers ``rsqrt`` but not ``sqrt``. The reference
+takes ``jnp.sqrt``, faster on CPUs, so the two directions agree to float32
+rounding (a few ulps); the trits, scales and ``nu`` agree bit for bit.
 
 Implementations (``implementation=``):
 
@@ -112,13 +113,17 @@ def _second_moment(previous: jax.Array, grad: jax.Array, b2: jax.Array) -> jax.A
 
 
 def _direction(
-    m: jax.Array, nu: jax.Array, bias_correction_1, bias_correction_2, eps
+    m: jax.Array, nu: jax.Array, bias_correction_1, bias_correction_2, eps, sqrt
 ) -> jax.Array:
-  nu_hat = nu / bias_correction_2
-  # sqrt as x * rsqrt(x) (Mosaic GPU on JAX 0.10 has no sqrt), 0 where x is;
-  # a NaN second moment stays NaN, so a non-finite gradient shows in the step.
-  root = jnp.where(nu_hat != 0, nu_hat * lax.rsqrt(nu_hat), 0.0)
-  return (m / bias_correction_1) / (root + eps)
+  return (m / bias_correction_1) / (sqrt(nu / bias_correction_2) + eps)
+
+
+def _kernel_sqrt(x: jax.Array) -> jax.Array:
+  """``sqrt`` as ``x * rsqrt(x)`` (Mosaic GPU on JAX 0.10 has no sqrt), 0 where ``x`` is.
+
+  A NaN second moment stays NaN, so a non-finite gradient shows in the step.
+  """
+  return jnp.where(x != 0, x * lax.rsqrt(x), 0.0)
 
 
 def _hyperparameters(count, b1, b2, eps) -> jax.Array:
@@ -209,21 +214,21 @@ def _place_values(layout: Any) -> jax.Array:
 
 # Blocks of at least this many bytes (640 base-3 or 512 2-bit trits) are
 # packed with a sum over planes, which XLA:CPU vectorizes along the bytes;
-# narrower ones with a matrix product by the place values, several times
-# faster there than loops over rows of 26 bytes (its cost grows with the
-# bytes per block, hence the limit).
+# narrower ones with an int8 matrix product by the place values, several
+# times faster there than loops over rows of 26 bytes (its cost grows with
+# the bytes per block, hence the limit).
 _MIN_SUM_PACKED_WIDTH = planar.PLANE_WIDTH
 
 
 def _packing_matrix(block_size: int, layout: Any) -> tuple[np.ndarray, np.ndarray]:
-  """``(block_size, w)`` place values of each element in its byte, and the padding's bytes."""
+  """``(block_size, w)`` int8 place values of each element in its byte, and the padding's int32 bytes."""
   width = _bytes_per_block(block_size, layout)
-  matrix = np.zeros((block_size, width), np.float32)
+  matrix = np.zeros((block_size, width), np.int8)
   element = np.arange(block_size)
-  matrix[element, element % width] = float(layout.base) ** (element // width)
+  matrix[element, element % width] = layout.base ** (element // width)
   slot = np.arange(layout.planes * width)
-  padding = np.zeros((width,), np.float32)
-  np.add.at(padding, slot[block_size:] % width, float(layout.base) ** (slot[block_size:] // width))
+  padding = np.zeros((width,), np.int32)
+  np.add.at(padding, slot[block_size:] % width, layout.base ** (slot[block_size:] // width))
   return matrix, padding
 
 
@@ -232,16 +237,21 @@ def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
   block_size = codes.shape[-1]
   width = _bytes_per_block(block_size, layout)
   if width < _MIN_SUM_PACKED_WIDTH:
-    # Exact at any matmul precision: codes and place values are integers of
-    # at most 8 significant bits, and every byte sums to under 256.
+    # int8 codes and place values (at most 3**4 or 4**3) with int32 sums:
+    # exact, and the codes XLA writes out for the product take one byte each.
     matrix, padding = _packing_matrix(block_size, layout)
-    packed = jnp.matmul(codes.astype(jnp.float32), matrix, precision=lax.Precision.HIGHEST)
+    packed = jnp.matmul(codes.astype(jnp.int8), matrix, preferred_element_type=jnp.int32)
     return (packed + padding).astype(jnp.uint8)
   padding = [(0, 0)] * (codes.ndim - 1) + [(0, layout.planes * width - block_size)]
   codes = jnp.pad(codes.astype(jnp.uint32), padding, constant_values=1).reshape(
       *codes.shape[:-1], layout.planes, width
   )
   return jnp.sum(codes * _place_values(layout), axis=-2).astype(jnp.uint8)
+
+
+# The largest row of blocks whose place values _unpack_blocks tiles (a
+# constant of 256 KiB).
+_MAX_TILED_PLACES = 65536
 
 
 def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array:
@@ -262,6 +272,12 @@ def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array
   ).astype(jnp.float32)
   element = np.arange(block_size)
   inverse_place = (1.0 / float(layout.base) ** (element // width)).astype(np.float32)
+  if packed.ndim >= 2 and packed.shape[-2] * block_size <= _MAX_TILED_PLACES:
+    # One place value per element of a whole row of blocks: when the codes
+    # are used in the tensor's own shape (..., n), XLA:CPU then reads the
+    # constant in step with the elements and vectorizes the loop, which it
+    # does not with an index modulo block_size.
+    inverse_place = np.tile(inverse_place, (packed.shape[-2], 1))
   quotient = jnp.floor((byte + 0.5) * inverse_place)
   return quotient - layout.base * jnp.floor((quotient + 0.5) * np.float32(1 / layout.base))
 
@@ -327,6 +343,25 @@ def _element_indices(shape: tuple[int, ...], offset: int) -> jax.Array:
   return index
 
 
+# _block_absmax halves blocks down to this many lanes (one AVX-512 register).
+_ABSMAX_LANES = 16
+
+
+def _block_absmax(m: jax.Array) -> jax.Array:
+  """``max |m|`` over the last axis, keeping it (size 1); ``+0`` for a block of zeros.
+
+  Elementwise maxima of the two halves of each block until 16 lanes are
+  left, then a reduction: XLA:CPU fuses the halving into the loop that
+  computes ``m`` and vectorizes it along the lanes, where a reduction over
+  the whole block would need ``m`` written out first.
+  """
+  magnitude = jnp.abs(m)
+  while magnitude.shape[-1] % (2 * _ABSMAX_LANES) == 0:
+    half = magnitude.shape[-1] // 2
+    magnitude = jnp.maximum(magnitude[..., :half], magnitude[..., half:])
+  return jnp.max(magnitude, axis=-1, keepdims=True)
+
+
 def _step_blocks(
     grad: jax.Array,
     stored: jax.Array,
@@ -344,19 +379,29 @@ def _step_blocks(
   ``index_offset`` is the flat index of the first element.
   """
   block_size = grad.shape[-1]
-  previous = (_unpack_blocks(stored, block_size, layout) - 1) * scales
+
+  def moment(grad, stored):
+    previous = (_unpack_blocks(stored, block_size, layout) - 1) * scales
+    return _first_moment(previous, grad.astype(jnp.float32), hyper[_B1])
+
+  # Each use of the moment computes it afresh from the gradient and the
+  # stored trits (the barriers keep XLA from merging the copies): XLA would
+  # otherwise write every tensor's float32 moment out at once, and that
+  # temporary memory, faulted in anew at every step, cost more than the
+  # arithmetic.
+  def fresh_moment():
+    return moment(*lax.optimization_barrier((grad, stored)))
+
   g = grad.astype(jnp.float32)
-  m = _first_moment(previous, g, hyper[_B1])
   new_nu = _second_moment(nu, g, hyper[_B2]) if update_nu else nu
+  # jnp.sqrt, not the kernel's x * rsqrt(x): XLA:CPU vectorizes it (7% of
+  # the step at 40M parameters); the directions differ by float32 rounding.
   direction = _direction(
-      m, new_nu, hyper[_BIAS_CORRECTION_1], hyper[_BIAS_CORRECTION_2], hyper[_EPS]
+      moment(grad, stored), new_nu, hyper[_BIAS_CORRECTION_1], hyper[_BIAS_CORRECTION_2],
+      hyper[_EPS], jnp.sqrt,
   ).astype(grad.dtype)
-  # max |m| as max(max m, -min m): the same value, and XLA:CPU fuses the two
-  # plain reductions into the moment's computation where it writes |m| out
-  # for a reduction of it. abs() makes a block of zeros' scale +0.
-  new_scales = jnp.abs(
-      jnp.maximum(jnp.max(m, axis=-1, keepdims=True), -jnp.min(m, axis=-1, keepdims=True))
-  )
+  new_scales = _block_absmax(fresh_moment())
+  m = fresh_moment()
   bits = ternary.counter_hash_bits(seed, _element_indices(m.shape, index_offset))
   new_stored = _pack_blocks(ternary.ternary_codes(m, new_scales, bits), layout)
   return direction, new_stored, new_scales, new_nu
@@ -478,7 +523,7 @@ def _step_kernel(
         if update_nu:
           nu = _second_moment(nu, grad, b2)
           new_nu_ref[pl.ds(start + offset, PLANE_WIDTH)] = nu
-        direction = _direction(m, nu, bias_correction_1, bias_correction_2, eps)
+        direction = _direction(m, nu, bias_correction_1, bias_correction_2, eps, _kernel_sqrt)
         direction_ref[pl.ds(start + offset, PLANE_WIDTH)] = direction.astype(direction_ref.dtype)
         bits = ternary.counter_hash_bits(seed, (start + offset).astype(jnp.uint32) + lane)
         scale = ternary.slice_scale(new_scales, offset, lane, geometry)

@@ -5,8 +5,9 @@ numpy re-derivation of Adam's update, and ``ternary_encode`` with the same
 key (same trits and scales exactly, directions to float32 rounding); the
 kernel, run by the Mosaic GPU interpreter, must equal the reference: trits,
 scales and ``nu`` bit for bit, the direction to a few float32 ulps
-(XLA's fused CPU code and the interpreter may evaluate the division and
-``rsqrt`` differently). Inputs are drawn fresh; the seed is in every failure
+(the kernel takes the square root as ``x * rsqrt(x)``, the reference as
+``sqrt``, and XLA's fused CPU code and the interpreter may evaluate the
+division differently). Inputs are drawn fresh; the seed is in every failure
 message. Lowering for CUDA is checked by ``test_check_lowering.py``.
 """
 
@@ -31,8 +32,9 @@ pytestmark = pytest.mark.kernels
 # multiply-adds differ between jit, eager and the interpreter, and between
 # JAX versions), so trits, scales and nu can be compared bit for bit.
 B1, B2, EPS, COUNT = 0.5, 0.75, 1e-8, 3
-# A few float32 ulps: XLA's CPU code and the interpreter may evaluate rsqrt
-# and the division with different approximations.
+# A few float32 ulps: the kernel's x * rsqrt(x) against the reference's
+# sqrt, and divisions that XLA's CPU code and the interpreter may evaluate
+# with different approximations.
 DIRECTION_RTOL = 2e-6
 
 
