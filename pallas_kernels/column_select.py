@@ -111,25 +111,40 @@ def _largest(u: jax.Array, keep: int) -> jax.Array:
   return lax.optimization_barrier(lax.top_k(jnp.abs(u), keep)[1])
 
 
+def _reduce_row(x: jax.Array, reduce: Any, combine: Any) -> jax.Array:
+  """``reduce`` over the last axis, kept as size 1, in steps XLA:CPU fuses with ``x``'s computation.
+
+  XLA:CPU fuses a reduction with the computation of its input, and
+  vectorizes it, only over at most ``_FUSED_REDUCTION`` entries: above that
+  it splits the reduction into a tree and materializes ``x`` first. So an
+  even row is first folded in halves by the elementwise ``combine``
+  (vectorized along the row) down to at most that width; a row still wider
+  reduces in chunks of the widest divisor up to that, then across chunks.
+  """
+  while x.shape[-1] % 2 == 0 and x.shape[-1] > _FUSED_REDUCTION:
+    half = x.shape[-1] // 2
+    x = combine(x[..., :half], x[..., half:])
+  *rows, width = x.shape
+  chunk = max(d for d in range(1, min(width, _FUSED_REDUCTION) + 1) if width % d == 0)
+  # The barrier keeps XLA from merging the two reductions into one wide one.
+  chunks = lax.optimization_barrier(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1))
+  return reduce(chunks, axis=-1, keepdims=True)
+
+
 def _first_largest(u: jax.Array) -> jax.Array:
-  """Position of each row's largest ``|u|``, the lowest among equals, as ``[rows, 1]``.
+  """Position of each row's largest ``|u|``, the lowest among equals, as ``[*rows, 1]``.
 
   Two reductions over the magnitude keys (NaN above infinity, as the kernel
   ranks): the largest key, then the lowest position holding it. XLA:CPU runs
   them several times faster than ``lax.top_k(.., 1)`` or ``jnp.argmax`` (a
-  variadic reduction it does not vectorize), provided each reduces at most
-  ``_FUSED_REDUCTION`` entries: above that XLA:CPU splits the reduction into
-  a tree and materializes ``u`` and its keys first. So rows reduce in chunks
-  of the widest divisor of the width up to that, then across chunks.
+  variadic reduction it does not vectorize), in the steps of
+  ``_reduce_row``.
   """
-  *rows, width = u.shape
-  chunk = max(d for d in range(1, min(width, _FUSED_REDUCTION) + 1) if width % d == 0)
-  keys = magnitude_key(u).reshape(*rows, width // chunk, chunk)
-  # The barrier keeps XLA from merging the two maxima into one wide reduction.
-  largest = jnp.max(lax.optimization_barrier(jnp.max(keys, axis=-1)), axis=-1)[..., None, None]
-  position = jnp.arange(width, dtype=jnp.int32).reshape(width // chunk, chunk)
-  first = jnp.min(jnp.where(keys == largest, position, width), axis=-1)
-  return jnp.min(first, axis=-1, keepdims=True)
+  width = u.shape[-1]
+  keys = magnitude_key(u)
+  largest = _reduce_row(keys, jnp.max, jnp.maximum)
+  position = jnp.arange(width, dtype=jnp.int32)
+  return _reduce_row(jnp.where(keys == largest, position, width), jnp.min, jnp.minimum)
 
 
 def _values_at(grads, tracked_index, tracked_offset, index: jax.Array) -> jax.Array:

@@ -42,7 +42,9 @@ def numpy_selection(grads, index, offset, keep):
     "rows, width, tracked, keep",
     [
         (5, 7, 0, 1),
-        # keep = 1 reduces rows in chunks: 70 = 5 chunks of 14, 37 = 37 chunks of 1.
+        # keep = 1 folds even rows in halves down to 32 entries, then reduces
+        # in chunks: 256 -> 32, 70 -> 35 = 5 chunks of 7, 37 = 37 chunks of 1.
+        (3, 256, 1, 1),
         (4, 70, 1, 1),
         (3, 37, 3, 1),
         (4, 40, 6, 6),
