@@ -211,15 +211,16 @@ def main(argv=None) -> None:
         + "; vectors replicated.")
   print("| optimizer | total MB | " + " | ".join(f"{n} device{'s' * (n > 1)}" for n in args.devices)
         + f" | {last} devices / (total / {last}) | {last} devices / split like params"
-        + f" | under-split leaves at {last} |")
-  print("|---" * (len(args.devices) + 5) + "|")
+        + f" | under-split leaves at {last} | leaves resharded by an update |")
+  print("|---" * (len(args.devices) + 6) + "|")
   for name in args.optimizers:
     cells = [f"{by_name[name, n]['max_device_bytes'] / 1e6:.3f}" for n in args.devices]
     row = by_name[name, last]
     print(f"| {name} | {row['total_bytes'] / 1e6:.3f} | " + " | ".join(cells)
           + f" | {row['max_device_bytes'] * last / row['total_bytes']:.3f}"
           + f" | {row['max_device_bytes'] / row['split_like_params_bytes']:.3f}"
-          + f" | {len(row['under_split_leaves'])} |")
+          + f" | {len(row['under_split_leaves'])}"
+          + f" | {sum(len(by_name[name, n]['sharding_changed_by_update']) for n in args.devices)} |")
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "sharding.json").write_text(json.dumps(rows, indent=1))
 

@@ -101,12 +101,30 @@ def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
   )
 
 
-def _block_major_spec(leaf_shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
-  """The parameter's spec on the leading axes, its last axis's mesh axes on the blocks where they divide them."""
-  last = spec[-1]
-  names = () if last is None else (last if isinstance(last, tuple) else (last,))
-  shards = math.prod(mesh.shape[name] for name in names)
-  return PartitionSpec(*spec[:-1], last if leaf_shape[-2] % shards == 0 else None, None)
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def _block_major_spec(leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
+  """The parameter's spec with its last axis's mesh axes moved to where they divide.
+
+  Onto the blocks when they divide their number: each device then holds the
+  blocks of its own columns. Otherwise, when several blocks cut the last axis
+  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), onto the
+  rows beside the mesh axes the rows already have, the layout the
+  partitioner gives an update's output there; else nowhere (replicated over
+  them, as the partitioner keeps one block per row, or TACO's 3 parts of a
+  256-wide row).
+  """
+  last = _mesh_axes(spec[-1])
+  shards = math.prod(mesh.shape[name] for name in last)
+  blocks = leaf_shape[-2]
+  if blocks % shards == 0:
+    return PartitionSpec(*spec[:-1], spec[-1], None)
+  rows = _mesh_axes(spec[-2]) + last
+  if blocks > 1 and shape[-1] % blocks == 0 and leaf_shape[-3] % math.prod(mesh.shape[name] for name in rows) == 0:
+    return PartitionSpec(*spec[:-2], rows, None, None)
+  return PartitionSpec(*spec[:-1], None, None)
 
 
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
@@ -124,6 +142,9 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     last axis on ``blocks`` where they divide it (replicated over them
     otherwise). Each device holds the blocks of its own columns when the
     blocks also cut the last axis evenly;
+  * one value per row, ``(*shape[:-1], 1)``, of a parameter that also has
+    block-major leaves (TACO's per-row scales): the rows sharded as those
+    leaves' rows;
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;
@@ -155,6 +176,21 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """
   param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
   replicated = NamedSharding(mesh, PartitionSpec())
+  state_owners = owners(state, params)
+
+  def param_spec(index):
+    param, sharding = param_leaves[index]
+    return tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+
+  # The rows' spec of each parameter's block-major leaves, which its per-row
+  # values (TACO's scales) share: the partitioner derives those from them.
+  block_rows = {
+      index: _block_major_spec(leaf.shape, param_leaves[index][0].shape, param_spec(index), mesh)[-3]
+      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(state_owners))
+      if index >= 0
+      and not param_leaves[index][1].is_fully_replicated
+      and _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param_leaves[index][0].shape))
+  }
 
   def place(leaf, index):
     if index < 0:
@@ -165,16 +201,18 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return sharding
     if sharding.is_fully_replicated:
       return replicated
-    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    spec = param_spec(index)
     if _cuts_last_axis_into_blocks(tuple(leaf.shape), shape):
-      return NamedSharding(mesh, _block_major_spec(leaf.shape, spec, mesh))
+      return NamedSharding(mesh, _block_major_spec(leaf.shape, shape, spec, mesh))
+    if index in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[index], None))
     if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
       return NamedSharding(
           mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
       )
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
-  return jax.tree.map(place, state, owners(state, params))
+  return jax.tree.map(place, state, state_owners)
 
 
 def _explicit_axes() -> tuple[str, ...]:

@@ -19,12 +19,15 @@ single-device run, saved with orbax midway, is restored into the sharded
 layout and training continues from it.
 
 The shapes divide the mesh, and the registry's block sizes divide the
-shards: every matrix has ``2**17`` elements, so an eighth of one is a whole
-number of MicroAdam's 256-element blocks and 64-element buckets and of
-ternary Adam's 32-element blocks; Adam-mini's 4 query heads of 128 columns
-fall two to a tensor-parallel shard; TACO's rows follow ``fsdp`` and their
-parts ``tp`` (the default four parts of 64 or 128 columns, two per shard), or
-stay whole over ``tp`` (three parts, or one).
+shards: the matrices have ``2**17`` or ``3 * 2**14`` elements, so an eighth
+of one is a whole number of MicroAdam's 256-element blocks and 64-element
+buckets and of ternary Adam's 32-element blocks; Adam-mini's 4 query heads of
+128 columns fall two to a tensor-parallel shard; TACO's rows follow ``fsdp``
+and their parts ``tp`` (the default four parts, two per shard). The
+96-wide output kernel is where blocks and ``tp`` do not meet: its rows hold
+three of ternary Adam's blocks (and of TACO's parts at ``k = 3``), which
+cannot split over ``tp = 2``; their state then splits its rows over both mesh
+axes. TACO's one-segment rule keeps each row whole over ``tp``.
 
 Prints one JSON object: ``{name: result}``, where a result holds the
 measurements ``tests/test_sharding.py`` asserts on, or ``{"error": ...}``.
@@ -67,7 +70,7 @@ def make_params(seed: int = 0) -> dict:
   """A small Transformer-shaped tree whose matrices dominate the state."""
   shapes = {
       "embed": {"embedding": (512, 256)},
-      "attention": {"query": {"kernel": (256, 512)}},
+      "attention": {"query": {"kernel": (256, 512)}, "out": {"kernel": (512, 96)}},
       "mlp": {
           "up": {"kernel": (256, 512), "bias": (512,)},
           "down": {"kernel": (512, 256)},
