@@ -105,6 +105,10 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
+def _shard_count(names: Sequence[str], mesh: Mesh) -> int:
+  return math.prod(mesh.shape[name] for name in names)
+
+
 def _block_major_spec(leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
   """The parameter's spec with its last axis's mesh axes moved to where they divide.
 
@@ -117,12 +121,11 @@ def _block_major_spec(leaf_shape: Sequence[int], shape: Sequence[int], spec: tup
   256-wide row).
   """
   last = _mesh_axes(spec[-1])
-  shards = math.prod(mesh.shape[name] for name in last)
   blocks = leaf_shape[-2]
-  if blocks % shards == 0:
+  if blocks % _shard_count(last, mesh) == 0:
     return PartitionSpec(*spec[:-1], spec[-1], None)
   rows = _mesh_axes(spec[-2]) + last
-  if blocks > 1 and shape[-1] % blocks == 0 and leaf_shape[-3] % math.prod(mesh.shape[name] for name in rows) == 0:
+  if blocks > 1 and shape[-1] % blocks == 0 and leaf_shape[-3] % _shard_count(rows, mesh) == 0:
     return PartitionSpec(*spec[:-2], rows, None, None)
   return PartitionSpec(*spec[:-1], None, None)
 
@@ -178,18 +181,22 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   replicated = NamedSharding(mesh, PartitionSpec())
   state_owners = owners(state, params)
 
-  def param_spec(index):
-    param, sharding = param_leaves[index]
+  def param_spec(param, sharding):
     return tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+
+  def block_major_spec(leaf, index):
+    """The leaf's spec if it cuts its sharded parameter's last axis into blocks, else None."""
+    param, sharding = param_leaves[index]
+    if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
+      return None
+    return _block_major_spec(leaf.shape, param.shape, param_spec(param, sharding), mesh)
 
   # The rows' spec of each parameter's block-major leaves, which its per-row
   # values (TACO's scales) share: the partitioner derives those from them.
   block_rows = {
-      index: _block_major_spec(leaf.shape, param_leaves[index][0].shape, param_spec(index), mesh)[-3]
+      index: spec[-3]
       for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(state_owners))
-      if index >= 0
-      and not param_leaves[index][1].is_fully_replicated
-      and _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param_leaves[index][0].shape))
+      if index >= 0 and (spec := block_major_spec(leaf, index)) is not None
   }
 
   def place(leaf, index):
@@ -201,9 +208,10 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return sharding
     if sharding.is_fully_replicated:
       return replicated
-    spec = param_spec(index)
-    if _cuts_last_axis_into_blocks(tuple(leaf.shape), shape):
-      return NamedSharding(mesh, _block_major_spec(leaf.shape, shape, spec, mesh))
+    spec = param_spec(param, sharding)
+    block_spec = block_major_spec(leaf, index)
+    if block_spec is not None:
+      return NamedSharding(mesh, block_spec)
     if index in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
       return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[index], None))
     if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):

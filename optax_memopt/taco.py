@@ -380,9 +380,10 @@ def scale_by_taco(
     # Each segment's first slot holds its largest |U|, so the row's largest
     # is the first largest of those (segments run in column order: ties still
     # go to the lower column). A small array: XLA selects it on any backend.
+    columns = selection.index + start
     top = column_select(selection.value[..., 0], implementation="xla").index
     top_value = jnp.take_along_axis(selection.value[..., 0], top, axis=1)
-    top_column = jnp.take_along_axis(selection.index[..., 0] + start[:, 0], top, axis=1)
+    top_column = jnp.take_along_axis(columns[..., 0], top, axis=1)
     on_top = jnp.arange(n_out) == top_column
     direction = jnp.where(on_top, (n_out / n_in) * jnp.sign(top_value), 0).astype(grad.dtype)
     if cut.slots == 0:
@@ -390,7 +391,7 @@ def scale_by_taco(
     new_codes, new_scale = _quantize((1 - decay) * selection.value.reshape(rows, -1))
     return (
         direction.reshape(grad.shape),
-        (selection.index + start).astype(index.dtype).reshape(index.shape),
+        columns.astype(index.dtype).reshape(index.shape),
         new_codes.reshape(codes.shape),
         new_scale.reshape(scale.shape),
     )

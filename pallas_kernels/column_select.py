@@ -90,6 +90,11 @@ class ColumnSelection(NamedTuple):
   value: jax.Array  # shape=(*rows, keep), dtype=jnp.float32: u[r, index[r, j]].
 
 
+def _as_matrix(x: jax.Array, rows: int) -> jax.Array:
+  """``[*rows, n]`` as ``[rows, n]``."""
+  return x.reshape(rows, x.shape[-1])
+
+
 def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: jax.Array) -> jax.Array:
   u = grads.astype(jnp.float32)
   if tracked_index.shape[-1] == 1:
@@ -99,9 +104,11 @@ def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: ja
     position = jnp.arange(u.shape[-1], dtype=jnp.int32)
     return jnp.where(position == tracked_index, u + tracked_offset, u)
   n_rows = math.prod(u.shape[:-1])
-  as_matrix = lambda x: x.reshape(n_rows, x.shape[-1])
   rows = jnp.arange(n_rows)[:, None]
-  return as_matrix(u).at[rows, as_matrix(tracked_index)].add(as_matrix(tracked_offset)).reshape(u.shape)
+  added = _as_matrix(u, n_rows).at[rows, _as_matrix(tracked_index, n_rows)].add(
+      _as_matrix(tracked_offset, n_rows)
+  )
+  return added.reshape(u.shape)
 
 
 def _largest(u: jax.Array, keep: int) -> jax.Array:
@@ -260,9 +267,9 @@ def _column_select(
   if implementation == "xla":
     return _select_xla(grads, tracked_index, tracked_offset, keep)
   rows = grads.shape[:-1]
-  as_matrix = lambda x: x.reshape(math.prod(rows), x.shape[-1])
+  n_rows = math.prod(rows)
   selection = _select_pallas(
-      as_matrix(grads), as_matrix(tracked_index), as_matrix(tracked_offset),
+      *(_as_matrix(x, n_rows) for x in (grads, tracked_index, tracked_offset)),
       keep, segment_width, interpret=implementation == "interpret",
   )
   return ColumnSelection(*(leaf.reshape(*rows, keep) for leaf in selection))

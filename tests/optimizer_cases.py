@@ -64,10 +64,12 @@ CASES: dict[str, OptimizerCase] = {
 }
 
 # Layouts that only the sharded tests tell apart, on tests.sharding_check's
-# tree (matrices 256 and 512 wide, tensor parallelism of 2 over the outputs).
+# tree (matrices 96, 256 and 512 wide, tensor parallelism of 2 over the
+# outputs).
 SHARDING_CASES: dict[str, OptimizerCase] = {
     **CASES,
-    # Three parts of a row do not split over tp = 2: replicated over it.
+    # Three parts of a row do not split over tp = 2: they stay whole over it
+    # (256 and 512 wide), or the rows split over it (96 wide, parts of 32).
     "taco_parts_across_tp": OptimizerCase(
         optax_memopt.taco, dict(learning_rate=1e-2, k=3), static_args=("k",)
     ),
