@@ -1,0 +1,153 @@
+"""Where one optimizer's jitted step spends its time, by XLA operation.
+
+Compiles the step of ``benchmarks.step_time`` (update + apply, state and
+params donated) for one optimizer, traces ``--steps`` steps with
+``jax.profiler`` and sums the durations of the executed XLA operations
+(fusions, custom calls such as ``TopK``, copies, scatters) over the runtime's
+worker threads, grouped by operation kind (the instruction's name without its
+number) and output shape, read from the compiled module. Prints the untraced
+step time, the threads' busy time per step and the groups that take most.
+
+An operation's time is what it runs on one thread, so on a multi-core CPU
+the busy time exceeds the step time, and removing an operation saves less
+wall time than its share when the threads were not saturated. Made for the
+CPU, where XLA:CPU reports each operation as it executes.
+
+    python -m benchmarks.profile --model 10M --optimizer microadam
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks import shapes
+from optax_memopt.training import optimizers
+
+# "%name = shape opcode(...)" in the text of a compiled module; a tuple shape has spaces.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$", re.MULTILINE)
+_CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+
+
+def describe_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """Instruction name -> (stage, output shape) in a compiled module's text.
+
+  The stage is the outermost jitted function inside the step that the
+  instruction came from (``_block_topk``, ``_dequantize_add``, ...),
+  ``step`` for code outside one, and ``(added by XLA)`` for instructions
+  without a source, such as copies; the shape drops layouts, and a custom
+  call's names its target (``TopK``, for instance).
+  """
+  described = {}
+  for name, shape, opcode, rest in _INSTRUCTION.findall(hlo_text):
+    shape = re.sub(r"\{[^}]*\}", "", shape)
+    target = _CUSTOM_CALL_TARGET.search(rest) if opcode == "custom-call" else None
+    op_name = _OP_NAME.search(rest)
+    if op_name is None:
+      stage = "(added by XLA)"
+    else:
+      # The first jit is the step itself.
+      jitted = re.findall(r"jit\((\w+)\)", op_name.group(1))[1:]
+      stage = jitted[0] if jitted else "step"
+    described[name] = (stage, f"{target.group(1)} {shape}" if target else shape)
+  return described
+
+
+def operation_times(trace_events, instructions: dict[str, tuple[str, str]]):
+  """Microseconds per stage, [calls, microseconds] per (stage, kind, shape), threads seen.
+
+  Only events named after an instruction of the module count; the runtime's
+  own events (dispatch, waits) are left out.
+  """
+  stages = collections.Counter()
+  operations = collections.defaultdict(lambda: [0, 0.0])
+  threads = set()
+  for event in trace_events:
+    name = event.get("name")
+    if event.get("ph") != "X" or name not in instructions:
+      continue
+    stage, shape = instructions[name]
+    duration = event.get("dur", 0.0)
+    stages[stage] += duration
+    operation = operations[(stage, re.sub(r"\.\d+$", "", name), shape)]
+    operation[0] += 1
+    operation[1] += duration
+    threads.add((event.get("pid"), event.get("tid")))
+  return stages, operations, threads
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", default="10M", choices=sorted(shapes.MODELS))
+  parser.add_argument("--optimizer", default="microadam", choices=list(optimizers.OPTIMIZERS))
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--top", type=int, default=15)
+  args = parser.parse_args(argv)
+
+  params = shapes.params(args.model)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  grads = jax.tree.unflatten(
+      treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)]
+  )
+  optimizer = optimizers.get(args.optimizer).build(1e-3, shapes.MODELS[args.model])
+
+  def step(params, state, grads):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = jax.tree.map(jnp.copy, params)
+  state = optimizer.init(params)
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  for _ in range(3):
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready((params, state))
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready((params, state))
+  wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
+
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+      for _ in range(args.steps):
+        params, state = compiled(params, state, grads)
+      jax.block_until_ready((params, state))
+    trace_file = next(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
+    trace = json.loads(gzip.decompress(trace_file.read_bytes()))
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  stages, operations, threads = operation_times(events, describe_instructions(compiled.as_text()))
+  total = sum(stages.values())
+  per_step_ms = lambda us: us / 1e3 / args.steps
+
+  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {args.optimizer},"
+        f" {args.model} ({shapes.count(params):,} parameters)")
+  print(f"step (untraced, {args.steps} steps in a row): {wall_ms:.1f} ms; operations' busy time per"
+        f" step: {per_step_ms(total):.1f} ms over {len(threads)} threads")
+  print("\n| stage | thread ms/step | share |\n|---|---|---|")
+  for stage, us in stages.most_common():
+    if per_step_ms(us) < 0.005:
+      break
+    print(f"| {stage} | {per_step_ms(us):.2f} | {us / total:.0%} |")
+  print("\n| stage | operation | output shape | calls/step | thread ms/step | share |")
+  print("|---|---|---|---|---|---|")
+  for (stage, kind, shape), (calls, us) in sorted(operations.items(), key=lambda item: -item[1][1])[: args.top]:
+    print(f"| {stage} | {kind} | `{shape}` | {calls / args.steps:.0f} | {per_step_ms(us):.2f} |"
+          f" {us / total:.0%} |")
+
+
+if __name__ == "__main__":
+  main()

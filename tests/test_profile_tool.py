@@ -1,0 +1,39 @@
+"""benchmarks.profile: instructions attributed to the step's stages, runtime events left out."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks import profile
+
+
+def _compiled_step():
+  @jax.jit
+  def select_largest(x):
+    return lax.top_k(x, 2)[0]
+
+  def step(x):
+    return select_largest(jnp.abs(x)) * 2.0
+
+  return jax.jit(step).lower(jax.ShapeDtypeStruct((8, 64), jnp.float32)).compile()
+
+
+def test_instructions_carry_their_stage_and_shape():
+  described = profile.describe_instructions(_compiled_step().as_text())
+  top_k = [(stage, shape) for stage, shape in described.values() if shape.startswith("TopK")]
+  assert top_k == [("select_largest", "TopK (f32[8,2], s32[8,2])")]
+  assert all("{" not in shape for _, shape in described.values())
+
+
+def test_operation_times_sum_instruction_events_only():
+  described = profile.describe_instructions(_compiled_step().as_text())
+  names = sorted(described)
+  events = [{"ph": "X", "name": name, "dur": 3.0, "pid": 1, "tid": i % 2} for i, name in enumerate(names)]
+  events += [
+      {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 1000.0, "pid": 1, "tid": 0},
+      {"ph": "M", "name": names[0], "pid": 1, "tid": 5},
+  ]
+  stages, operations, threads = profile.operation_times(events, described)
+  assert sum(stages.values()) == 3.0 * len(names)
+  assert sum(calls for calls, _ in operations.values()) == len(names)
+  assert threads == {(1, 0), (1, 1)} if len(names) > 1 else {(1, 0)}
