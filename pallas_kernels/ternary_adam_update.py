@@ -10,10 +10,20 @@ the stored trits ``t`` with their block scales ``s`` and ``nu``, and computes
   \\nu' = \\beta_2\\, \\nu + (1 - \\beta_2)\\, g^2, \\qquad
   u = \\frac{m / (1 - \\beta_1^k)}{\\sqrt{\\nu' / (1 - \\beta_2^k)} + \\epsilon},
 
-then stores ``m`` again as trits with stochastic rounding (new absmax scales,
-``P(t = \\operatorname{sign} m) = |m| / s``, unbiased), with the trits of
-``ternary_encode(m, key=key)``: the random bits are the same counter hash of a
-seed drawn from ``key`` and of the element's index in the flattened tensor.
+then stores ``m`` again as trits with stochastic rounding,
+``P(t = \\operatorname{sign} m) = |m| / s'`` (unbiased), under new block
+scales
+
+.. math::
+  s' = \\beta_1\\, s + (1 - \\beta_1) \\max_{\\text{block}} |g|,
+
+a bound on ``|m|`` (``|t s| <= s``) known before ``m`` is: the step needs no
+pass over the new moment to find its block maxima before coding it. The
+random bits are those of ``ternary_encode(m, key=key)``, the counter hash of
+a seed drawn from ``key`` and of the element's index in the flattened tensor.
+On the library's training task the bound trains as well as the exact absmax
+(validation losses over three seeds in the docstring of
+``optax_memopt.ternary_adam``) and saves a pass over every tensor.
 The direction ``u`` uses the unrounded ``m`` of this step; only the stored
 moment is rounded. With ``update_nu=False`` the caller passes the second
 moment of this step itself (for instance rebuilt from factored row and column
@@ -53,13 +63,13 @@ Implementations (``implementation=``):
   block-major bytes in place: XLA converts the moment's bytes to the flat
   layout before the kernel and back after it. On an H200 (JAX 0.11, 40M
   parameter model) the optimizer step took 4.2 ms this way and 3.3 ms with
-  ``"xla"``, against 1.2 ms for ``optax.adamw``. Per chunk the
-  kernel computes the new moment twice from the stored trits and the
-  gradient, which is cheaper than holding it: a first pass finds the new
-  block absmaxes, a second updates ``nu``, writes the direction and packs the
-  new trits. The last partial chunk (and chunks that do not fill a grid step)
-  run in the reference and are written in place, so the result equals
-  ``"xla"`` bit for bit.
+  ``"xla"``, against 1.2 ms for ``optax.adamw`` (then with a first pass per
+  chunk for the exact block absmax of the new moment, since replaced by the
+  scale bound). The new scales are computed once, in XLA, for both
+  implementations; per packed row the kernel computes the moment, updates
+  ``nu``, writes the direction and packs the new trits. The last partial
+  chunk (and chunks that do not fill a grid step) run in the reference and
+  are written in place, so the result equals ``"xla"`` bit for bit.
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
 * ``None``: ``"xla"`` everywhere, as long as the kernel with its layout
   conversions is slower (``_backend.resolve_implementation``'s
@@ -314,8 +324,8 @@ def from_flat(
 ) -> ternary.TernaryArray:
   """Inverse of ``to_flat``: ``ternary_encode``'s output in the block-major layout of ``shape``.
 
-  ``from_flat(ternary_encode(m, block_size=b, key=k), m.shape, block_size=b)``
-  is the moment that a step whose new first moment is ``m`` stores.
+  ``from_flat(ternary_encode(m, block_size=b), m.shape, block_size=b)`` is
+  ``m`` encoded with absmax scales, in the layout the step reads.
   """
   layout = ternary.packing_layout(packing)
   shape = tuple(shape)
@@ -343,29 +353,31 @@ def _element_indices(shape: tuple[int, ...], offset: int) -> jax.Array:
   return index
 
 
-# _block_absmax halves blocks down to this many lanes (one AVX-512 register).
-_ABSMAX_LANES = 16
+def _block_absmax(x: jax.Array) -> jax.Array:
+  """``max |x|`` over the last axis, keeping it (size 1); ``+0`` for a block of zeros, NaN if any.
 
-
-def _block_absmax(m: jax.Array) -> jax.Array:
-  """``max |m|`` over the last axis, keeping it (size 1); ``+0`` for a block of zeros.
-
-  Elementwise maxima of the two halves of each block until 16 lanes are
-  left, then a reduction: XLA:CPU fuses the halving into the loop that
-  computes ``m`` and vectorizes it along the lanes, where a reduction over
-  the whole block would need ``m`` written out first.
+  Elementwise maxima of the two halves of each block while its length is
+  even, then a reduction of what is left (1 element for power-of-two
+  blocks): XLA:CPU runs the halving as one vectorized loop, faster than
+  its reduction over short rows.
   """
-  magnitude = jnp.abs(m)
-  while magnitude.shape[-1] % (2 * _ABSMAX_LANES) == 0:
+  magnitude = jnp.abs(x)
+  while magnitude.shape[-1] % 2 == 0:
     half = magnitude.shape[-1] // 2
     magnitude = jnp.maximum(magnitude[..., :half], magnitude[..., half:])
   return jnp.max(magnitude, axis=-1, keepdims=True)
+
+
+def _scale_bound(grad_blocks: jax.Array, scales: jax.Array, b1: jax.Array) -> jax.Array:
+  """The new block scales ``b1 s + (1 - b1) max |g|`` from gradient blocks ``(..., block_size)``."""
+  return b1 * scales + (1 - b1) * _block_absmax(grad_blocks.astype(jnp.float32))
 
 
 def _step_blocks(
     grad: jax.Array,
     stored: jax.Array,
     scales: jax.Array,
+    new_scales: jax.Array,
     nu: jax.Array,
     seed: jax.Array,
     hyper: jax.Array,
@@ -373,24 +385,17 @@ def _step_blocks(
     layout: Any,
     update_nu: bool,
     index_offset: int = 0,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The step on blocks: ``grad`` and float32 ``nu`` of shape ``(..., block_size)``.
 
-  ``index_offset`` is the flat index of the first element.
+  Returns the direction, the new trits' bytes and ``nu``; ``index_offset``
+  is the flat index of the first element.
   """
   block_size = grad.shape[-1]
 
   def moment(grad, stored):
     previous = (_unpack_blocks(stored, block_size, layout) - 1) * scales
     return _first_moment(previous, grad.astype(jnp.float32), hyper[_B1])
-
-  # Each use of the moment computes it afresh from the gradient and the
-  # stored trits (the barriers keep XLA from merging the copies): XLA would
-  # otherwise write every tensor's float32 moment out at once, and that
-  # temporary memory, faulted in anew at every step, cost more than the
-  # arithmetic.
-  def fresh_moment():
-    return moment(*lax.optimization_barrier((grad, stored)))
 
   g = grad.astype(jnp.float32)
   new_nu = _second_moment(nu, g, hyper[_B2]) if update_nu else nu
@@ -400,17 +405,22 @@ def _step_blocks(
       moment(grad, stored), new_nu, hyper[_BIAS_CORRECTION_1], hyper[_BIAS_CORRECTION_2],
       hyper[_EPS], jnp.sqrt,
   ).astype(grad.dtype)
-  new_scales = _block_absmax(fresh_moment())
-  m = fresh_moment()
+  # The codes compute the moment afresh from the gradient and the stored
+  # trits (the barrier keeps XLA from merging it with the direction's):
+  # XLA would otherwise write every tensor's float32 moment out at once, and
+  # that temporary memory, faulted in anew at every step, cost more than
+  # the arithmetic.
+  m = moment(*lax.optimization_barrier((grad, stored)))
   bits = ternary.counter_hash_bits(seed, _element_indices(m.shape, index_offset))
   new_stored = _pack_blocks(ternary.ternary_codes(m, new_scales, bits), layout)
-  return direction, new_stored, new_scales, new_nu
+  return direction, new_stored, new_nu
 
 
 def _step_reference(
     grad: jax.Array,
     stored: jax.Array,
     scales: jax.Array,
+    new_scales: jax.Array,
     nu: jax.Array,
     seed: jax.Array,
     hyper: jax.Array,
@@ -418,13 +428,14 @@ def _step_reference(
     block_size: int,
     layout: Any,
     update_nu: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The step of a tensor: ``grad`` and ``nu`` of its shape, the moment block-major."""
   blocks = stored.shape[:-1]
-  direction, new_stored, new_scales, new_nu = _step_blocks(
+  direction, new_stored, new_nu = _step_blocks(
       _to_blocks(grad, blocks, block_size),
       stored,
       scales,
+      new_scales,
       _to_blocks(nu.astype(jnp.float32), blocks, block_size),
       seed,
       hyper,
@@ -434,27 +445,11 @@ def _step_reference(
   return (
       _from_blocks(direction, grad.shape),
       new_stored,
-      new_scales,
       _from_blocks(new_nu, nu.shape) if update_nu else None,
   )
 
 
 # Mosaic GPU kernel.
-
-
-class _MomentSlices:
-  """Reads like a ref holding one chunk's new first moment.
-
-  ``self[pl.ds(offset, PLANE_WIDTH)]`` computes the moment of the slice at
-  ``offset`` within the chunk, so ``ternary.chunk_absmax`` finds the new
-  block scales without the moment ever being stored.
-  """
-
-  def __init__(self, moment_at):
-    self._moment_at = moment_at
-
-  def __getitem__(self, index: pl.Slice) -> jax.Array:
-    return self._moment_at(index.start)
 
 
 def _step_kernel(
@@ -465,14 +460,13 @@ def _step_kernel(
     update_nu: bool,
     interpret: bool,
 ) -> None:
-  """Per chunk: the new block scales (first pass), then per packed row the
-  moment, ``nu``, the direction and the new trits (second pass)."""
+  """Per packed row of each chunk: the moment, ``nu``, the direction and the new trits."""
   if update_nu:
-    (grad_ref, stored_ref, scales_ref, nu_ref, seed_ref, hyper_ref,
-     direction_ref, new_stored_ref, new_scales_ref, new_nu_ref) = refs
+    (grad_ref, stored_ref, scales_ref, new_scales_ref, nu_ref, seed_ref, hyper_ref,
+     direction_ref, new_stored_ref, new_nu_ref) = refs
   else:
-    (grad_ref, stored_ref, scales_ref, nu_ref, seed_ref, hyper_ref,
-     direction_ref, new_stored_ref, new_scales_ref) = refs
+    (grad_ref, stored_ref, scales_ref, new_scales_ref, nu_ref, seed_ref, hyper_ref,
+     direction_ref, new_stored_ref) = refs
   b1, b2, eps = hyper_ref[_B1], hyper_ref[_B2], hyper_ref[_EPS]
   bias_correction_1 = hyper_ref[_BIAS_CORRECTION_1]
   bias_correction_2 = hyper_ref[_BIAS_CORRECTION_2]
@@ -486,6 +480,7 @@ def _step_kernel(
     start = chunk * geometry.chunk
     first_block = chunk * geometry.blocks_per_chunk
     old_scales = [scales_ref[first_block + k] for k in range(geometry.blocks_per_chunk)]
+    new_scales = [new_scales_ref[first_block + k] for k in range(geometry.blocks_per_chunk)]
 
     def stored_codes(row):
       byte = chunk * bytes_per_chunk + row * PLANE_WIDTH
@@ -497,20 +492,6 @@ def _step_kernel(
     def moment(offset, codes, grad):
       scale = ternary.slice_scale(old_scales, offset, lane, geometry)
       return _first_moment(ternary.dequantize_codes(codes, scale), grad, b1)
-
-    def moment_at(offset):
-      # The plane may be a traced index; Mosaic GPU selects among scalars but
-      # not among vectors, so select the plane's place value, not its codes.
-      plane = (offset // PLANE_WIDTH) % layout.planes
-      place_values = [jnp.uint32(layout.base**p) for p in range(layout.planes)]
-      place = ternary.select_scalar(place_values, plane)
-      byte = chunk * bytes_per_chunk + (offset // geometry.row) * PLANE_WIDTH
-      stored = ternary.load_slice(stored_ref, byte).astype(jnp.uint32)
-      return moment(offset, (stored // place) % jnp.uint32(layout.base), load_grad(offset))
-
-    new_scales = ternary.chunk_absmax(_MomentSlices(moment_at), 0, lane, geometry)
-    for k, scale in enumerate(new_scales):
-      new_scales_ref[first_block + k] = scale
 
     def step_row(row):
       codes = stored_codes(row)
@@ -540,6 +521,7 @@ def _step_pallas(
     grad: jax.Array,
     stored: jax.Array,
     scales: jax.Array,
+    new_scales: jax.Array,
     nu: jax.Array,
     seed: jax.Array,
     hyper: jax.Array,
@@ -549,7 +531,7 @@ def _step_pallas(
     update_nu: bool,
     interpret: bool,
     chunks_per_step: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The kernel on whole grid steps of chunks, the reference on the rest.
 
   Arguments and results as ``_step_reference``'s; the kernel's part of the
@@ -560,7 +542,7 @@ def _step_pallas(
   steps, chunks_per_step = ternary.grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
     return _step_reference(
-        grad, stored, scales, nu, seed, hyper,
+        grad, stored, scales, new_scales, nu, seed, hyper,
         block_size=block_size, layout=layout, update_nu=update_nu,
     )
   done = steps * chunks_per_step * geometry.chunk
@@ -571,12 +553,12 @@ def _step_pallas(
   flat_nu = nu.reshape(-1).astype(jnp.float32)
   block_bytes = stored.reshape(-1, stored.shape[-1])
   flat_scales = scales.reshape(-1)
+  flat_new_scales = new_scales.reshape(-1)
   # The kernel's part of the moment in the flat layout (whole packed rows).
   flat_stored = _flat_bytes(block_bytes[:done_blocks], done, block_size, layout)
   out_type = [
       jax.ShapeDtypeStruct((size,), grad.dtype),
       jax.ShapeDtypeStruct(flat_stored.shape, jnp.uint8),
-      jax.ShapeDtypeStruct(flat_scales.shape, jnp.float32),
   ]
   if update_nu:
     out_type.append(jax.ShapeDtypeStruct((size,), jnp.float32))
@@ -594,8 +576,8 @@ def _step_pallas(
       grid_names=("steps",),
       interpret=interpret,
   )
-  direction, new_flat_stored, new_scales, *new_nu = kernel(
-      flat_grad, flat_stored, flat_scales, flat_nu, seed.reshape(1), hyper
+  direction, new_flat_stored, *new_nu = kernel(
+      flat_grad, flat_stored, flat_scales, flat_new_scales, flat_nu, seed.reshape(1), hyper
   )
   new_block_bytes = _block_bytes(new_flat_stored, done, (done_blocks,), block_size, layout)
   new_nu = new_nu[0] if update_nu else None
@@ -608,6 +590,7 @@ def _step_pallas(
         _to_blocks(flat_grad[done:], (tail_blocks,), block_size),
         block_bytes[done_blocks:],
         flat_scales[done_blocks:, None],
+        flat_new_scales[done_blocks:, None],
         _to_blocks(flat_nu[done:], (tail_blocks,), block_size),
         seed,
         hyper,
@@ -615,18 +598,16 @@ def _step_pallas(
         update_nu=update_nu,
         index_offset=done,
     )
-    tail_direction, tail_stored, tail_scales, tail_nu = tail
+    tail_direction, tail_stored, tail_nu = tail
     direction = lax.dynamic_update_slice(
         direction, tail_direction.reshape(-1)[: size - done], (done,)
     )
     new_block_bytes = jnp.concatenate([new_block_bytes, tail_stored])
-    new_scales = lax.dynamic_update_slice(new_scales, tail_scales.reshape(-1), (done_blocks,))
     if update_nu:
       new_nu = lax.dynamic_update_slice(new_nu, tail_nu.reshape(-1)[: size - done], (done,))
   return (
       direction.reshape(grad.shape),
       new_block_bytes.reshape(stored.shape),
-      new_scales.reshape(scales.shape),
       new_nu.reshape(nu.shape) if update_nu else None,
   )
 
@@ -644,12 +625,18 @@ def _step(
   # The seed ternary_encode draws from its key, so both give the same trits.
   seed = ternary.seed_from_key(key)
   hyper = _hyperparameters(count, b1, b2, eps)
-  args = (grad, stored, scales, nu.reshape(grad.shape), seed, hyper)
+  # Written out once for both implementations (the barrier keeps XLA from
+  # recomputing it where it is used, maybe contracted to an FMA differently),
+  # so the trits are coded against the very scales that are stored.
+  new_scales = lax.optimization_barrier(
+      _scale_bound(_to_blocks(grad, stored.shape[:-1], block_size), scales, hyper[_B1])
+  )
+  args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed, hyper)
   options = dict(block_size=block_size, layout=layout, update_nu=update_nu)
   if implementation == "xla":
-    direction, new_stored, new_scales, new_nu = _step_reference(*args, **options)
+    direction, new_stored, new_nu = _step_reference(*args, **options)
   else:
-    direction, new_stored, new_scales, new_nu = _step_pallas(
+    direction, new_stored, new_nu = _step_pallas(
         *args, **options, interpret=implementation == "interpret"
     )
   return TernaryAdamStep(
