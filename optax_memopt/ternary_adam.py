@@ -17,8 +17,8 @@ and measured on the library's training task (``optax_memopt.training``).
   ``b1 s + (1 - b1) max |g|``, which bounds ``|m| = |b1 t s + (1 - b1) g|``
   and is known from the gradient alone, rather than the absmax of the new
   ``m``, which costs a pass over every tensor's moment before it can be
-  coded (12% of the CPU step at 10M parameters, and a pass per chunk in the
-  GPU kernel). The scales are larger (more zeros, rounding variance
+  coded (about 10% of the CPU step at 10M parameters, and a pass per chunk
+  in the GPU kernel). The scales are larger (more zeros, rounding variance
   ``s |m| - m**2`` up), which did not show in training: validation losses
   after 1000 pre-training steps, absmax / bound, seeds 0-2: 1.873 / 1.899,
   1.859 / 1.834, 1.874 / 1.883; after 300 fine-tuning steps 1.911 / 1.911,
