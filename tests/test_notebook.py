@@ -5,7 +5,6 @@ from __future__ import annotations
 import pathlib
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"

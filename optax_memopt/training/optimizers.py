@@ -16,14 +16,14 @@ from typing import Callable
 import optax
 
 import optax_memopt
-from optax_memopt.training.model import TransformerConfig
 
 WEIGHT_DECAY = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSpec:
-  # build(learning_rate, config), plus implementation=None where has_kernels.
+  # build(learning_rate, config: training.model.TransformerConfig), plus implementation=None
+  # where has_kernels.
   build: Callable[..., optax.GradientTransformation]
   default_learning_rate: float
   summary: str
