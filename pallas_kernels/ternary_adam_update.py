@@ -672,9 +672,12 @@ def ternary_adam_update(
     m = \\beta_1 \\hat m + (1 - \\beta_1) g, \\quad
     \\nu' = \\beta_2 \\nu + (1 - \\beta_2) g^2, \\quad
     u = \\frac{m / (1 - \\beta_1^k)}{\\sqrt{\\nu' / (1 - \\beta_2^k)} + \\epsilon},
-    \\quad \\hat m' = \\mathrm{decode}(\\mathrm{encode}(m, \\mathrm{key}))
+    \\quad \\hat m' = s' \\cdot \\mathrm{round}_\\xi(m / s'), \\quad
+    s' = \\beta_1 s + (1 - \\beta_1) \\max_\\text{block} |g|
 
-  where ``\\hat m`` is the decoded ``momentum`` and ``k`` is ``count``.
+  where ``\\hat m`` is the decoded ``momentum`` with block scales ``s``, ``k``
+  is ``count`` and ``round_xi`` unbiased stochastic rounding to ``{-1, 0, 1}``
+  with the random bits of ``ternary_encode`` for ``key``.
 
   Args:
     grad: the gradient, a floating array of any shape.
