@@ -625,12 +625,9 @@ def _step(
   # The seed ternary_encode draws from its key, so both give the same trits.
   seed = ternary.seed_from_key(key)
   hyper = _hyperparameters(count, b1, b2, eps)
-  # Written out once for both implementations (the barrier keeps XLA from
-  # recomputing it where it is used, maybe contracted to an FMA differently),
-  # so the trits are coded against the very scales that are stored.
-  new_scales = lax.optimization_barrier(
-      _scale_bound(_to_blocks(grad, stored.shape[:-1], block_size), scales, hyper[_B1])
-  )
+  # One computation of the new scales for both implementations: the kernel
+  # reads them rather than finding them itself.
+  new_scales = _scale_bound(_to_blocks(grad, stored.shape[:-1], block_size), scales, hyper[_B1])
   args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed, hyper)
   options = dict(block_size=block_size, layout=layout, update_nu=update_nu)
   if implementation == "xla":
