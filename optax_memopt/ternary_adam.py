@@ -182,6 +182,16 @@ def _is_ternary(leaf: jax.Array, min_size: int) -> bool:
   return leaf.size >= min_size
 
 
+def _check_real(leaf: jax.Array) -> None:
+  # The fp32 path below min_size would otherwise drop an imaginary part
+  # without a word, and trits have no complex phase.
+  if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+    raise ValueError(
+        f"ternary_adam supports real floating parameters; got a {leaf.dtype} leaf of shape"
+        f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
+    )
+
+
 def _is_factored(leaf: jax.Array, min_size: int) -> bool:
   return _is_ternary(leaf, min_size) and leaf.ndim >= 2
 
@@ -248,7 +258,8 @@ def scale_by_ternary_adam(
 
   Raises:
     ValueError: for a hyper-parameter out of range (floats are checked when
-      they are Python numbers).
+      they are Python numbers), and for complex parameters or gradients
+      (route them to another optimizer with ``optax.partition``).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -275,6 +286,7 @@ def scale_by_ternary_adam(
 
   def init_fn(params):
     def init_mu(param):
+      _check_real(param)
       if _is_ternary(param, min_size):
         return fused_step.zero_momentum(param.shape, block_size=block_size, packing=packing)
       return jnp.zeros(param.shape, jnp.float32)
@@ -304,6 +316,7 @@ def scale_by_ternary_adam(
     bias_correction_2 = 1 - b2_ ** count.astype(jnp.float32)
 
     def update_leaf(index, grad, mu, nu):
+      _check_real(grad)
       if not _is_ternary(grad, min_size):
         g = grad.astype(jnp.float32)
         mu = b1_ * mu + (1 - b1_) * g

@@ -138,6 +138,18 @@ def test_small_tensors_follow_optax_adam():
     chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(3,), (64, 128)])  # the float32 path and the ternary one
+def test_complex_parameters_are_refused_by_name(shape):
+  opt = optax_memopt.ternary_adam(1e-2)
+  params = {"w": jnp.ones(shape, jnp.complex64)}
+  with pytest.raises(ValueError, match=r"complex64 leaf of shape"):
+    opt.init(params)
+  # A real state cannot take complex gradients either (their imaginary part would be lost).
+  state = opt.init({"w": jnp.ones(shape)})
+  with pytest.raises(ValueError, match=r"complex64 leaf of shape"):
+    opt.update({"w": jnp.full(shape, 1 + 1j, jnp.complex64)}, state)
+
+
 def test_stored_first_moment_is_an_unbiased_estimate():
   """Averaged over keys, the decoded new moment equals b1 * m_prev + (1 - b1) * g.
 
