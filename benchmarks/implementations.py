@@ -63,11 +63,9 @@ def compare(name: str, model: str, params, *, reference: str, kernel: str, steps
   paths = {impl: spec.build(1e-3, shapes.MODELS[model], implementation=impl) for impl in (reference, kernel)}
   steps_of = {impl: jax.jit(opt.update) for impl, opt in paths.items()}
   state = {impl: opt.init(params) for impl, opt in paths.items()}
-  leaves, treedef = jax.tree.flatten(params)
   worst_update = 0.0
   for step in range(steps):
-    keys = jax.random.split(jax.random.key(seed + step), len(leaves))
-    grads = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)])
+    grads = shapes.gradients(params, seed + step)
     updates = {}
     for impl in paths:
       updates[impl], state[impl] = steps_of[impl](grads, state[impl], params)

@@ -28,10 +28,8 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
-import optax
 
-from benchmarks import shapes
+from benchmarks import shapes, step_time
 from optax_memopt.training import optimizers
 
 # "%name = shape opcode(...)" in the text of a compiled module; a tuple shape has spaces.
@@ -98,20 +96,9 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
 
   params = shapes.params(args.model)
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  grads = jax.tree.unflatten(
-      treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)]
-  )
+  grads = shapes.gradients(params)
   optimizer = optimizers.get(args.optimizer).build(1e-3, shapes.MODELS[args.model])
-
-  def step(params, state, grads):
-    updates, state = optimizer.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  params = jax.tree.map(jnp.copy, params)
-  state = optimizer.init(params)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  compiled, state = step_time.compile_step(optimizer, params, grads)
   for _ in range(3):
     params, state = compiled(params, state, grads)
   jax.block_until_ready((params, state))

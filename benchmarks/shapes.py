@@ -29,5 +29,12 @@ def params(name: str, *, abstract: bool = False, seed: int = 0):
   return jax.eval_shape(build) if abstract else build()
 
 
+def gradients(params, seed: int = 1):
+  """Gradients shaped like ``params``: normal with standard deviation 0.01, one key per leaf."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)])
+
+
 def count(tree) -> int:
   return sum(int(x.size) for x in jax.tree.leaves(tree))

@@ -28,15 +28,20 @@ from benchmarks import shapes
 from optax_memopt.training import optimizers
 
 
-def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
-  """Median seconds per jitted step, and the compiled step's temporary bytes."""
+def compile_step(optimizer, params, grads):
+  """The jitted update + apply, params and state donated, compiled; and the optimizer's first state."""
 
   def step(params, state, grads):
     updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   state = optimizer.init(params)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile(), state
+
+
+def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
+  """Median seconds per jitted step, and the compiled step's temporary bytes."""
+  compiled, state = compile_step(optimizer, params, grads)
   analysis = compiled.memory_analysis()
   temp_bytes = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
   for _ in range(2):
@@ -69,9 +74,7 @@ def main(argv=None) -> None:
   print("|---|---|---|---|---|---|---|")
   for model in args.models:
     params = shapes.params(model)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    grads = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape, p.dtype) * 1e-2 for k, p in zip(keys, leaves)])
+    grads = shapes.gradients(params)
     baseline = None
     for name in names:
       spec = optimizers.get(name)
