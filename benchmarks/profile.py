@@ -6,7 +6,8 @@ params donated) for one optimizer, traces ``--steps`` steps with
 (fusions, custom calls such as ``TopK``, copies, scatters) over the runtime's
 worker threads, grouped by operation kind (the instruction's name without its
 number) and output shape, read from the compiled module. Prints the untraced
-step time, the threads' busy time per step and the groups that take most.
+step time, the threads' busy time per step, the step's temporary buffer and
+page faults, and the groups that take most.
 
 An operation's time is what it runs on one thread, so on a multi-core CPU
 the busy time exceeds the step time, and removing an operation saves less
@@ -24,6 +25,7 @@ import gzip
 import json
 import pathlib
 import re
+import resource
 import tempfile
 import time
 
@@ -102,11 +104,14 @@ def main(argv=None) -> None:
   for _ in range(3):
     params, state = compiled(params, state, grads)
   jax.block_until_ready((params, state))
+  faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   start = time.perf_counter()
   for _ in range(args.steps):
     params, state = compiled(params, state, grads)
   jax.block_until_ready((params, state))
   wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
+  faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / args.steps
+  temp_mb = (getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0) / 2**20
 
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -124,6 +129,9 @@ def main(argv=None) -> None:
         f" {args.model} ({shapes.count(params):,} parameters)")
   print(f"step (untraced, {args.steps} steps in a row): {wall_ms:.1f} ms; operations' busy time per"
         f" step: {per_step_ms(total):.1f} ms over {len(threads)} threads")
+  # glibc's malloc gives a temporary buffer above 32 MiB a fresh mapping at
+  # every step, whose pages fault in during the operations that write them.
+  print(f"temporary buffer: {temp_mb:.1f} MB; minor page faults per untraced step: {faults:,.0f}")
   print("\n| stage | thread ms/step | share |\n|---|---|---|")
   for stage, us in stages.most_common():
     if per_step_ms(us) < 0.005:
