@@ -223,6 +223,36 @@ def test_block_major_moment_keeps_each_block_in_its_own_bytes(packing, trits_per
   np.testing.assert_array_equal(zeros.packed, expected_zeros.packed)
 
 
+@pytest.mark.parametrize("packing, base, planes", [("base3", 3, 5), ("2bit", 4, 4)])
+@pytest.mark.parametrize("block_size", [32, 64, 128, 640, 1024])
+@pytest.mark.parametrize("tiles_rows", [True, False])
+def test_block_bytes_follow_the_documented_layout(packing, base, planes, block_size, tiles_rows):
+  """Byte ``j`` of a block is ``sum_p base**p (t[j + p w] + 1)``, code 1 past the block's end.
+
+  Checked against numpy on ``ternary_encode``'s trits for every block size,
+  and back through ``to_flat`` against ``ternary_encode``'s own packer.
+  """
+  seed = _fresh_seed()
+  shape = (3, 2 * block_size) if tiles_rows else (3, block_size + 37)
+  x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+  flat = ternary.ternary_encode(x, block_size=block_size, packing=packing)
+  moment = from_flat(flat, shape, block_size=block_size, packing=packing)
+
+  trits = np.asarray(ternary.unpack_trits(flat.packed, size=x.size, packing=packing))
+  width = math.ceil(block_size / planes)
+  n_blocks = math.prod(moment.packed.shape[:-1])
+  codes = np.ones(n_blocks * block_size, np.int64)
+  codes[: x.size] = trits.astype(np.int64) + 1
+  slots = np.ones((n_blocks, planes * width), np.int64)
+  slots[:, :block_size] = codes.reshape(n_blocks, block_size)
+  expected = np.einsum("bpj,p->bj", slots.reshape(n_blocks, planes, width), base ** np.arange(planes))
+  np.testing.assert_array_equal(
+      np.asarray(moment.packed).reshape(n_blocks, width), expected, err_msg=f"seed={seed}"
+  )
+  round_trip = to_flat(moment, size=x.size, block_size=block_size, packing=packing)
+  np.testing.assert_array_equal(round_trip.packed, flat.packed, err_msg=f"seed={seed}")
+
+
 def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
   stored = zero_momentum((40, 50), block_size=64)
