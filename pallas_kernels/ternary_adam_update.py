@@ -240,9 +240,9 @@ def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
   (XLA:CPU does not fuse that padded view into the sums), and the sums read
   whole bytes. On the CPU the step of the 10M (40M) parameter benchmark
   went from 1.9x (2.2x) to 1.5x (1.9x) AdamW's time. Wider rows vectorize
-  no better and add temporary memory: once a step's temporary buffer
-  exceeds 32 MiB, XLA:CPU maps it afresh at every step, and each 4 KiB page
-  faults in (about 2 us on our machine).
+  no better and add temporary memory, which costs page faults once a
+  step's temporary buffer exceeds 32 MiB: glibc then maps it afresh at
+  every call (``benchmarks/README.md``).
   """
   block_size = codes.shape[-1]
   width = _bytes_per_block(block_size, layout)
