@@ -226,9 +226,9 @@ _PACKING_ROW = 16
 def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
   """Codes ``(..., block_size)`` in ``[0, base)`` to bytes ``(..., bytes_per_block)``.
 
-  Byte ``j`` is ``sum_p base**p code[j + p w]``, code 1 (a zero trit) in
-  the slots past the block's end, summed in uint8: exact, since the sum is
-  at most ``base**planes - 1 <= 255``.
+  Byte ``j`` is ``sum_p base**p code[j + p w]`` (``packing.combine_planes``
+  of the plane slices), code 1 (a zero trit) in the slots past the block's
+  end.
 
   XLA:CPU fuses elementwise producers into every user, so summing plane
   slices of the codes directly would compute each code inside loops over
@@ -250,12 +250,8 @@ def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
   rows = codes.astype(jnp.uint8).reshape(*blocks, block_size // _PACKING_ROW, _PACKING_ROW)
   slots = jnp.pad(rows, [(0, 0)] * len(blocks) + [(0, 1), (0, 0)], constant_values=1)
   slots = slots.reshape(*blocks, block_size + _PACKING_ROW)
-  return functools.reduce(
-      jnp.add,
-      (
-          slots[..., p * width : (p + 1) * width] * np.uint8(layout.base**p)
-          for p in range(layout.planes)
-      ),
+  return planar.combine_planes(
+      [slots[..., p * width : (p + 1) * width] for p in range(layout.planes)], layout.base
   )
 
 
