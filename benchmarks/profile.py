@@ -111,7 +111,7 @@ def main(argv=None) -> None:
   jax.block_until_ready((params, state))
   wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
   faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / args.steps
-  temp_mb = (getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0) / 2**20
+  temp_mb = step_time.temporary_bytes(compiled) / 2**20
 
   with tempfile.TemporaryDirectory() as log_dir:
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):

@@ -39,11 +39,15 @@ def compile_step(optimizer, params, grads):
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile(), state
 
 
+def temporary_bytes(compiled) -> int:
+  """The compiled step's temporary memory per XLA's ``memory_analysis`` (0 where not reported)."""
+  return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+
+
 def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
   """Median seconds per jitted step, and the compiled step's temporary bytes."""
   compiled, state = compile_step(optimizer, params, grads)
-  analysis = compiled.memory_analysis()
-  temp_bytes = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+  temp_bytes = temporary_bytes(compiled)
   for _ in range(2):
     params, state = compiled(params, state, grads)
   jax.block_until_ready(params)
