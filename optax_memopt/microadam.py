@@ -224,9 +224,8 @@ def scale_by_microadam(
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
-      positions = update_kernel.flat_positions(selected, k=k, block_size=block_size)
       error = quantize_kernel.quantize(
-          accumulated.at[positions].set(0.0, unique_indices=True),
+          topk.zero_selected(accumulated, selected, kept, k=k, block_size=block_size),
           bits=ERROR_BITS,
           bucket_size=bucket_size,
           stats_dtype=jnp.bfloat16,

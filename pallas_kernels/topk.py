@@ -270,11 +270,8 @@ def _select(blocks: jax.Array, k: int, implementation: str) -> jax.Array:
   return _select_pallas(blocks, k, interpret=implementation == "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_size", "implementation"))
-def _block_topk(
-    x: jax.Array, *, k: int, block_size: int, implementation: str
-) -> tuple[jax.Array, jax.Array]:
-  flat = x.reshape(-1)
+def _block_parts(flat: jax.Array, *, k: int, block_size: int) -> list[tuple[jax.Array, int]]:
+  """The full blocks ``[n, block_size]`` and the tail block ``[1, r]`` of ``flat``, each with its k."""
   full_blocks, tail = divmod(flat.size, block_size)
   parts = []
   if full_blocks:
@@ -282,6 +279,14 @@ def _block_topk(
   if tail:
     tail_k = _tail_k(tail, k=k, block_size=block_size)
     parts.append((flat[full_blocks * block_size :].reshape(1, tail), tail_k))
+  return parts
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_size", "implementation"))
+def _block_topk(
+    x: jax.Array, *, k: int, block_size: int, implementation: str
+) -> tuple[jax.Array, jax.Array]:
+  parts = _block_parts(x.reshape(-1), k=k, block_size=block_size)
   index_dtype = jnp.int16 if block_size <= _MAX_INT16_BLOCK_SIZE else jnp.int32
   if not parts:
     return jnp.zeros((0,), index_dtype), jnp.zeros((0,), x.dtype)
@@ -374,6 +379,83 @@ def block_topk(
       raise ValueError(unsupported)
     resolved = "xla"
   return _block_topk(x, k=k, block_size=block_size, implementation=resolved)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_size"))
+def _zero_selected(
+    x: jax.Array, indices: jax.Array, values: jax.Array, *, k: int, block_size: int
+) -> jax.Array:
+  keys = magnitude_key(values)
+  local = indices.astype(jnp.int32)
+  zeroed, start = [], 0
+  for blocks, keep in _block_parts(x.reshape(-1), k=k, block_size=block_size):
+    end = start + blocks.shape[0] * keep
+    kept_keys = keys[start:end].reshape(-1, keep)
+    kept_local = local[start:end].reshape(-1, keep)
+    start = end
+    threshold = kept_keys.min(axis=1, keepdims=True)
+    last_tie = jnp.max(jnp.where(kept_keys == threshold, kept_local, -1), axis=1, keepdims=True)
+    block_keys = magnitude_key(blocks)
+    position = lax.broadcasted_iota(jnp.int32, blocks.shape, 1)
+    selected = (block_keys > threshold) | ((block_keys == threshold) & (position <= last_tie))
+    zeroed.append(jnp.where(selected, jnp.zeros((), x.dtype), blocks).reshape(-1))
+  if not zeroed:
+    return x
+  return jnp.concatenate(zeroed).reshape(x.shape)
+
+
+def zero_selected(
+    x: jax.Array, indices: jax.Array, values: jax.Array, *, k: int, block_size: int
+) -> jax.Array:
+  """``x`` with the entries ``block_topk(x, k=k, block_size=block_size)`` selected set to 0.
+
+  The selection of each block is exactly the keys above its smallest
+  selected key ``T`` and the keys equal to ``T`` up to the last selected
+  index (ties go to the lower index), so the zeroing is elementwise,
+
+  .. math::
+    x_i \leftarrow 0 \quad \text{if} \quad |x_i| > T_b \;\text{or}\;
+    (|x_i| = T_b \;\text{and}\; i \le i^{\mathrm{tie}}_b),
+
+  with ``T_b`` and ``i^tie_b`` read from the ``k`` selected entries of block
+  ``b`` (magnitudes ranked as in ``block_topk``). This is a scatter of zeros
+  at the selected positions without the scatter: XLA fuses it into the
+  consumer (MicroAdam's error quantizer) instead of copying ``x`` into a new
+  buffer to scatter into, which on the CPU cut the temporary memory of
+  MicroAdam's step by a third (``benchmarks/README.md``).
+
+  Args:
+    x: the float array ``block_topk`` ranked (any shape; flattened).
+    indices: the block-local indices ``block_topk`` returned for ``x``.
+    values: the values ``block_topk`` returned for ``x``.
+    k: entries kept per full block, as given to ``block_topk``.
+    block_size: elements per block, as given to ``block_topk``.
+
+  Returns:
+    ``x`` with the selected entries replaced by 0, same shape and dtype.
+
+  Raises:
+    ValueError: for ``k`` or ``block_size`` out of range, or ``indices`` and
+      ``values`` not of the selection's size.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.topk import block_topk, zero_selected
+    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
+    >>> indices, values = block_topk(x, k=2, block_size=4)
+    >>> zero_selected(x, indices, values, k=2, block_size=4).tolist()
+    [0.5, 0.0, 1.0, 0.0, -0.25, 0.0, 0.0, 0.0, 0.0, -7.0]
+  """
+  k, block_size = _check_block_params(k, block_size)
+  x = jnp.asarray(x)
+  expected = (selection_size(x.size, k=k, block_size=block_size),)
+  if jnp.shape(indices) != expected or jnp.shape(values) != expected:
+    raise ValueError(
+        f"indices and values must have shape {expected}, as block_topk returns for"
+        f" x of size {x.size}, k={k}, block_size={block_size}; got"
+        f" {jnp.shape(indices)} and {jnp.shape(values)}."
+    )
+  return _zero_selected(x, indices, values, k=k, block_size=block_size)
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:

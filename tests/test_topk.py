@@ -244,3 +244,44 @@ def test_auto_takes_xla_for_block_sizes_the_kernel_lacks():
   x = draw_input("normal", (450,), jnp.float32, fresh_seed())
   expected = topk.block_topk(x, k=3, block_size=100, implementation="xla")
   assert_same_selection(topk.block_topk(x, k=3, block_size=100), expected, "auto")
+
+
+def numpy_zero_selected(x, k: int, block_size: int) -> np.ndarray:
+  """Zeros at the positions numpy_block_topk selects: the scatter that zero_selected avoids."""
+  flat = np.asarray(x).reshape(-1).copy()
+  indices, _ = numpy_block_topk(x, k, block_size)
+  offset = 0
+  for start in range(0, flat.size, block_size):
+    width = min(block_size, flat.size - start)
+    keep = k if width == block_size else min(width, max(1, math.ceil(k * width / block_size)))
+    flat[start + indices[offset : offset + keep]] = 0
+    offset += keep
+  return flat.reshape(np.shape(x))
+
+
+@pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, k, block_size", KERNEL_CASES + [((0,), 3, 8), ((10,), 3, 4)])
+def test_zero_selected_equals_zeroing_the_selected_positions(shape, k, block_size, dtype, kind):
+  seed = fresh_seed()
+  x = draw_input(kind, shape, dtype, seed)
+  indices, values = topk.block_topk(x, k=k, block_size=block_size)
+  zeroed = topk.zero_selected(x, indices, values, k=k, block_size=block_size)
+  chex.assert_shape(zeroed, shape)
+  chex.assert_type(zeroed, dtype)
+  expected = numpy_zero_selected(np.asarray(x.astype(jnp.float32)), k, block_size)
+  # Bitwise, so a -0.0 left in place or a NaN payload would show.
+  np.testing.assert_array_equal(
+      np.asarray(zeroed.astype(jnp.float32)).view(np.uint32),
+      expected.astype(np.float32).view(np.uint32),
+      err_msg=f"seed={seed}",
+  )
+
+
+def test_zero_selected_rejects_a_selection_of_another_size():
+  x = jnp.ones((300,))
+  indices, values = topk.block_topk(x, k=4, block_size=128)
+  with pytest.raises(ValueError, match="indices and values must have shape"):
+    topk.zero_selected(x, indices[:-1], values[:-1], k=4, block_size=128)
+  with pytest.raises(ValueError, match="block_size"):
+    topk.zero_selected(x, indices, values, k=4, block_size=0)
