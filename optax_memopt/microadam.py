@@ -224,8 +224,11 @@ def scale_by_microadam(
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
+      # Written out once: the quantizer reads the error in two passes.
       error = quantize_kernel.quantize(
-          topk.zero_selected(accumulated, selected, kept, k=k, block_size=block_size),
+          _backend.written_out(
+              topk.zero_selected(accumulated, selected, kept, k=k, block_size=block_size)
+          ),
           bits=ERROR_BITS,
           bucket_size=bucket_size,
           stats_dtype=jnp.bfloat16,

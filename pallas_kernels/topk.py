@@ -414,15 +414,14 @@ def zero_selected(
   index (ties go to the lower index), so the zeroing is elementwise,
 
   .. math::
-    x_i \leftarrow 0 \quad \text{if} \quad |x_i| > T_b \;\text{or}\;
-    (|x_i| = T_b \;\text{and}\; i \le i^{\mathrm{tie}}_b),
+    x_i \\leftarrow 0 \\quad \\text{if} \\quad |x_i| > T_b \\;\\text{or}\\;
+    (|x_i| = T_b \\;\\text{and}\\; i \\le i^{\\mathrm{tie}}_b),
 
   with ``T_b`` and ``i^tie_b`` read from the ``k`` selected entries of block
   ``b`` (magnitudes ranked as in ``block_topk``). This is a scatter of zeros
-  at the selected positions without the scatter: XLA fuses it into the
-  consumer (MicroAdam's error quantizer) instead of copying ``x`` into a new
-  buffer to scatter into, which on the CPU cut the temporary memory of
-  MicroAdam's step by a third (``benchmarks/README.md``).
+  at the selected positions without the scatter, for which XLA copies ``x``
+  into a new buffer: on the CPU it cut the temporary memory of MicroAdam's
+  step by a third (``benchmarks/README.md``).
 
   Args:
     x: the float array ``block_topk`` ranked (any shape; flattened).

@@ -408,3 +408,27 @@ def test_pallas_update_lowers_every_kernel_for_cuda():
   # threshold, the error's quantization and the window update. Fewer means
   # `implementation` did not reach one of them and it fell back to XLA.
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 * len(params)
+
+
+@pytest.mark.parametrize("shape, dtype", [((0,), jnp.float32), ((7,), jnp.bfloat16), ((3, 5, 4), jnp.float32)])
+def test_written_out_keeps_values_shape_and_dtype(shape, dtype):
+  from pallas_kernels import _backend
+
+  x = jnp.asarray(np.random.default_rng(fresh_seed()).standard_normal(shape), dtype)
+  y = jax.jit(_backend.written_out)(x)
+  chex.assert_shape(y, shape)
+  chex.assert_type(y, dtype)
+  chex.assert_trees_all_equal(y, x)
+
+
+def test_zeroed_error_is_written_out_before_the_quantizer():
+  # The in-place rewrite of the zeroed error's first element must survive
+  # XLA:CPU's simplifications, or the quantizer's two passes recompute it
+  # (about 15% of the CPU step, benchmarks/README.md). The ring rows are
+  # also updated in place, but they are int16 and bf16 [window, K].
+  d = 24 * 16384
+  params = {"w": jnp.zeros((d,), jnp.float32)}
+  opt = optax_memopt.scale_by_microadam(implementation="xla")
+  state = opt.init(params)
+  text = jax.jit(opt.update).lower(params, state).compile().as_text()
+  assert f"f32[{d}]{{0}} dynamic-update-slice(" in text
