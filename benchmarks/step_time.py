@@ -1,10 +1,13 @@
 """Jitted step time of every optimizer as a ratio to ``optax.adamw``, in one run.
 
 For each model size, every optimizer updates the same parameters with the
-same gradients; the step (update + apply, state and params donated) is timed
-after compilation, the median of ``--repeats`` runs. The compiled step's
-temporary memory (XLA's ``memory_analysis``) shows any transient dense buffer
-an optimizer needs beyond its state. With ``--implementations xla pallas`` (on
+same gradients; the steps (update + apply, state and params donated) are
+compiled first and then timed in ``--repeats`` rounds, each round two steps of
+every optimizer in turn (the second one timed), so that a slower or busier
+stretch of the machine weighs on all of them alike. A row reports the median step time and the
+median over rounds of its ratio to the same round's ``optax.adamw`` step.
+The compiled step's temporary memory (XLA's ``memory_analysis``) shows any
+transient dense buffer an optimizer needs beyond its state. With ``--implementations xla pallas`` (on
 a GPU) the methods with kernels are timed once per implementation, against
 the same adamw baseline. Prints a markdown table and writes
 ``results/step_time.json``.
@@ -44,20 +47,28 @@ def temporary_bytes(compiled) -> int:
   return int(getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0) or 0)
 
 
-def time_step(optimizer, params, grads, repeats: int) -> tuple[float, int]:
-  """Median seconds per jitted step, and the compiled step's temporary bytes."""
-  compiled, state = compile_step(optimizer, params, grads)
-  temp_bytes = temporary_bytes(compiled)
-  for _ in range(2):
-    params, state = compiled(params, state, grads)
-  jax.block_until_ready(params)
-  seconds = []
-  for _ in range(repeats):
+class Timed:
+  """One optimizer's compiled step with its running params and state, and its step times."""
+
+  def __init__(self, optimizer, params, grads):
+    self.compiled, self.state = compile_step(optimizer, params, grads)
+    self.temp_bytes = temporary_bytes(self.compiled)
+    self.params = params
+    self.seconds: list[float] = []
+    for _ in range(2):  # Warm-up steps, not timed.
+      self.params, self.state = self.compiled(self.params, self.state, grads)
+    jax.block_until_ready((self.params, self.state))
+
+  def step(self, grads) -> None:
+    """Two steps, the second one timed: it finds this optimizer's arrays in
+    the caches, as back-to-back steps of one optimizer do, not those of the
+    optimizer timed before it."""
+    self.params, self.state = self.compiled(self.params, self.state, grads)
+    jax.block_until_ready((self.params, self.state))
     start = time.perf_counter()
-    params, state = compiled(params, state, grads)
-    jax.block_until_ready((params, state))
-    seconds.append(time.perf_counter() - start)
-  return statistics.median(seconds), temp_bytes
+    self.params, self.state = self.compiled(self.params, self.state, grads)
+    jax.block_until_ready((self.params, self.state))
+    self.seconds.append(time.perf_counter() - start)
 
 
 def main(argv=None) -> None:
@@ -79,7 +90,7 @@ def main(argv=None) -> None:
   for model in args.models:
     params = shapes.params(model)
     grads = shapes.gradients(params)
-    baseline = None
+    timed = []  # (name, path, Timed) in table order, adamw first.
     for name in names:
       spec = optimizers.get(name)
       for implementation in implementations if spec.has_kernels else [None]:
@@ -89,17 +100,23 @@ def main(argv=None) -> None:
         # "default": each op's own choice (benchmarks/README.md says which on a GPU).
         path = (implementation or "default") if spec.has_kernels else "xla"
         try:
-          seconds, temp = time_step(optimizer, fresh, grads, args.repeats)
+          timed.append((name, path, Timed(optimizer, fresh, grads)))
         except Exception as e:  # One row per optimizer, whatever happens.
           print(f"| {model} | {shapes.count(params):,} | {name} | {path} |"
                 f" {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - |", flush=True)
-          continue
-        baseline = baseline or seconds
-        row = {"model": model, "n_params": shapes.count(params), "optimizer": name, "implementation": path,
-               "ms_per_step": 1e3 * seconds, "ratio_to_adamw": seconds / baseline, "temp_bytes": temp}
-        rows.append(row)
-        print(f"| {model} | {row['n_params']:,} | {name} | {path} | {row['ms_per_step']:.1f} |"
-              f" {row['ratio_to_adamw']:.2f}x | {temp / 2**20:.1f} |", flush=True)
+    for _ in range(args.repeats):
+      for _, _, entry in timed:
+        entry.step(grads)
+    baseline = timed[0][2].seconds
+    for name, path, entry in timed:
+      ratio = statistics.median(s / b for s, b in zip(entry.seconds, baseline))
+      row = {"model": model, "n_params": shapes.count(params), "optimizer": name, "implementation": path,
+             "ms_per_step": 1e3 * statistics.median(entry.seconds), "ratio_to_adamw": ratio,
+             "temp_bytes": entry.temp_bytes}
+      rows.append(row)
+      print(f"| {model} | {row['n_params']:,} | {name} | {path} | {row['ms_per_step']:.1f} |"
+            f" {ratio:.2f}x | {entry.temp_bytes / 2**20:.1f} |", flush=True)
+    del timed
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "step_time.json").write_text(json.dumps(rows, indent=1))
 

@@ -56,8 +56,8 @@ def written_out(x: jax.Array) -> jax.Array:
   Rewriting the first element in place (a ``dynamic_update_slice``, which
   updates its operand's buffer) makes XLA write ``x`` out once. The values
   are unchanged; only where XLA computes them changes. MicroAdam's step on
-  the CPU went from 97-103 ms to 87 ms at 10M parameters and from 381-402 ms
-  to 320 ms at 40M this way (``benchmarks/README.md``).
+  the CPU went from 124 to 108 ms at 10M parameters and from 491 to 370 ms
+  at 40M this way (``benchmarks/README.md``).
   """
   if x.size == 0:
     return x
