@@ -2,12 +2,13 @@
 
 For each model size, every optimizer updates the same parameters with the
 same gradients; the steps (update + apply, state and params donated) are
-compiled first and then timed in ``--repeats`` rounds, each round two steps of
-every optimizer in turn (the second one timed), so that a slower or busier
-stretch of the machine weighs on all of them alike. A row reports the median step time and the
-median over rounds of its ratio to the same round's ``optax.adamw`` step.
-The compiled step's temporary memory (XLA's ``memory_analysis``) shows any
-transient dense buffer an optimizer needs beyond its state. With ``--implementations xla pallas`` (on
+compiled first and then timed in ``--repeats`` rounds, each round two steps
+of every optimizer in turn (the second one timed), so that a slower or busier
+stretch of the machine weighs on all of them alike. A row reports the median
+step time and the median over rounds of its ratio to the same round's
+``optax.adamw`` step. The compiled step's temporary memory (XLA's
+``memory_analysis``) shows any transient dense buffer an optimizer needs
+beyond its state. With ``--implementations xla pallas`` (on
 a GPU) the methods with kernels are timed once per implementation, against
 the same adamw baseline. Prints a markdown table and writes
 ``results/step_time.json``.
@@ -60,9 +61,11 @@ class Timed:
     jax.block_until_ready((self.params, self.state))
 
   def step(self, grads) -> None:
-    """Two steps, the second one timed: it finds this optimizer's arrays in
-    the caches, as back-to-back steps of one optimizer do, not those of the
-    optimizer timed before it."""
+    """Times one step, after an untimed one that brings this optimizer's arrays into the caches.
+
+    Back-to-back steps of one optimizer find them there; the optimizer
+    timed just before would otherwise have left its own.
+    """
     self.params, self.state = self.compiled(self.params, self.state, grads)
     jax.block_until_ready((self.params, self.state))
     start = time.perf_counter()
