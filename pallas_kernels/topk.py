@@ -434,8 +434,9 @@ def zero_selected(
     ``x`` with the selected entries replaced by 0, same shape and dtype.
 
   Raises:
-    ValueError: for ``k`` or ``block_size`` out of range, or ``indices`` and
-      ``values`` not of the selection's size.
+    ValueError: for ``k`` or ``block_size`` out of range, a non-float ``x``,
+      ``values`` of another dtype than ``x``, or ``indices`` and ``values``
+      not of the selection's size.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -447,6 +448,14 @@ def zero_selected(
   """
   k, block_size = _check_block_params(k, block_size)
   x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
+  if jnp.result_type(values) != x.dtype:
+    # Thresholds read from rounded values would zero the wrong entries.
+    raise ValueError(
+        f"values must have x's dtype {x.dtype}, as block_topk returns them; got"
+        f" {jnp.result_type(values)}."
+    )
   expected = (selection_size(x.size, k=k, block_size=block_size),)
   if jnp.shape(indices) != expected or jnp.shape(values) != expected:
     raise ValueError(

@@ -278,10 +278,14 @@ def test_zero_selected_equals_zeroing_the_selected_positions(shape, k, block_siz
   )
 
 
-def test_zero_selected_rejects_a_selection_of_another_size():
+def test_zero_selected_rejects_a_selection_it_cannot_have_come_from():
   x = jnp.ones((300,))
   indices, values = topk.block_topk(x, k=4, block_size=128)
   with pytest.raises(ValueError, match="indices and values must have shape"):
     topk.zero_selected(x, indices[:-1], values[:-1], k=4, block_size=128)
   with pytest.raises(ValueError, match="block_size"):
     topk.zero_selected(x, indices, values, k=4, block_size=0)
+  with pytest.raises(ValueError, match="values must have x's dtype"):
+    topk.zero_selected(x, indices, values.astype(jnp.bfloat16), k=4, block_size=128)
+  with pytest.raises(ValueError, match="floating dtype"):
+    topk.zero_selected(x.astype(jnp.int32), indices, values, k=4, block_size=128)
