@@ -86,6 +86,14 @@ def _check_block_params(k: int, block_size: int) -> tuple[int, int]:
   return k, block_size
 
 
+def _float_array(x) -> jax.Array:
+  """``x`` as a JAX array, or a ``ValueError`` if it is not floating point."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
+  return x
+
+
 def _tail_k(tail: int, *, k: int, block_size: int) -> int:
   """Entries kept from a tail block of ``tail`` elements (0 if there is none)."""
   if tail == 0:
@@ -369,9 +377,7 @@ def block_topk(
     https://arxiv.org/abs/2405.15593
   """
   k, block_size = _check_block_params(k, block_size)
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
+  x = _float_array(x)
   resolved = _backend.resolve_implementation(implementation, kernel_is_faster=False)
   unsupported = _kernel_unsupported_reason(x, block_size)
   if resolved != "xla" and unsupported is not None:
@@ -447,9 +453,7 @@ def zero_selected(
     [0.5, 0.0, 1.0, 0.0, -0.25, 0.0, 0.0, 0.0, 0.0, -7.0]
   """
   k, block_size = _check_block_params(k, block_size)
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x must have a floating dtype; got {x.dtype}.")
+  x = _float_array(x)
   if jnp.result_type(values) != x.dtype:
     # Thresholds read from rounded values would zero the wrong entries.
     raise ValueError(
