@@ -353,12 +353,14 @@ def scale_by_ternary_adam(
       return step.direction, step.momentum, nu if factored else step.nu
 
     grads, treedef = jax.tree.flatten(updates)
-    leaves = [
-        update_leaf(i, grad, mu, nu)
-        for i, (grad, mu, nu) in enumerate(
-            zip(grads, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))
-        )
-    ]
+    leaves = _backend.one_leaf_at_a_time(
+        update_leaf,
+        range(len(grads)),
+        grads,
+        treedef.flatten_up_to(state.mu),
+        treedef.flatten_up_to(state.nu),
+        waiting=(1, 2, 3),
+    )
     directions, mus, nus = zip(*leaves) if leaves else ((), (), ())
     new_state = ScaleByTernaryAdamState(
         count=count,

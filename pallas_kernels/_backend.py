@@ -4,9 +4,11 @@ interpreted and lowered the same way on every supported JAX version."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 Implementation = Literal["xla", "pallas", "interpret"] | None
 IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
@@ -63,6 +65,81 @@ def written_out(x: jax.Array) -> jax.Array:
     return x
   flat = x.reshape(-1)
   return jax.lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
+
+
+def _zero_after(values: Any) -> jax.Array:
+  """A uint32 zero that XLA can compute only once every array in ``values`` is.
+
+  The largest of each array's first element as unsigned bits, clipped to at
+  most 0: always 0, but XLA cannot know that without the elements. The
+  clipped elements are written out (``written_out``) before their maximum:
+  computed elementwise, the zero would be fused into every loop that reads
+  the arguments offset by it and recomputed there for each element, which
+  made ternary Adam's step at 40M parameters 94 ms instead of 56.
+  """
+  clipped = [jnp.zeros((), jnp.uint32)]
+  for x in jax.tree.leaves(values):
+    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
+      continue
+    first = x[(0,) * x.ndim]
+    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    bits = first if x.dtype == unsigned else lax.bitcast_convert_type(first, unsigned)
+    clipped.append(jnp.minimum(bits, 0).astype(jnp.uint32))
+  return jnp.max(written_out(jnp.stack(clipped)))
+
+
+def _after(x: Any, token: jax.Array) -> Any:
+  """``x`` unchanged (``x - 0``, exact for -0.0, NaN and inf), computed only after ``token``."""
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.number):
+    return x
+  return x - token.astype(x.dtype)
+
+
+def one_leaf_at_a_time(
+    update_leaf: Callable[..., Any], *columns: Sequence[Any], waiting: Sequence[int]
+) -> list[Any]:
+  """``[update_leaf(*args) for args in zip(*columns)]``, on XLA:CPU one leaf after another.
+
+  XLA:CPU schedules independent work stage by stage (every leaf's first
+  fusion, then every leaf's second, ...) so that independent loops may run
+  side by side. For an optimizer whose step per leaf writes temporaries (a
+  decoded moment, a top-k's input), every leaf's temporaries are then live
+  at once: 55.6 MB for ternary Adam at 40M parameters, above glibc's 32 MiB
+  threshold for mapping fresh pages, which XLA's per-call temporary buffer
+  then faults in at every step. Here the arguments of the columns listed in
+  ``waiting`` (pytrees of arrays) depend on a zero computed from the previous
+  leaf's results, so each leaf's work starts once the previous leaf's is done
+  and the temporary buffer holds one leaf's temporaries. Values are
+  unchanged. Elsewhere (GPUs) the leaves are left independent: temporaries
+  come from a pool there, and the zero would cost a small kernel per leaf, a
+  collective when the leaf is sharded.
+
+  Args:
+    update_leaf: the step of one leaf.
+    *columns: its arguments, one sequence per parameter, one entry per leaf.
+    waiting: the indices of the columns whose arguments wait for the
+      previous leaf. Leave out arguments updated in place (a donated ring
+      buffer): an offset copy of them would be written out anew.
+
+  Returns:
+    The results of ``update_leaf``, one per leaf.
+  """
+  if any(column not in range(len(columns)) for column in waiting):
+    raise ValueError(
+        f"waiting must hold indices of the {len(columns)} columns; got {tuple(waiting)}."
+    )
+  if jax.default_backend() != "cpu":
+    return [update_leaf(*args) for args in zip(*columns)]
+  results = []
+  for args in zip(*columns):
+    if results:
+      token = _zero_after(results[-1])
+      args = [
+          jax.tree.map(lambda x: _after(x, token), arg) if column in waiting else arg
+          for column, arg in enumerate(args)
+      ]
+    results.append(update_leaf(*args))
+  return results
 
 
 def gpu_interpreter() -> Any:

@@ -1,0 +1,107 @@
+"""pallas_kernels._backend.one_leaf_at_a_time: same values, one leaf's temporaries at a time."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import optax_memopt
+from pallas_kernels import _backend
+
+
+def fresh_seed():
+  return int(np.random.SeedSequence().entropy % (2**31))
+
+
+def special_values(rng, dtype, size):
+  """Random values with -0.0, NaN and infinities (for floats) at random places."""
+  if np.issubdtype(dtype, np.integer):
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=size, endpoint=True, dtype=dtype)
+  x = rng.standard_normal(size).astype(dtype)
+  specials = np.array([-0.0, np.nan, np.inf, -np.inf], dtype)
+  x[rng.choice(size, size=len(specials), replace=False)] = specials
+  return x
+
+
+def temporary_bytes(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_values_are_those_of_independent_leaves():
+  rng = np.random.default_rng(fresh_seed())
+  dtypes = [np.float32, ml_dtypes.bfloat16, np.float16, np.uint8, np.int16, np.int32]
+  leaves = [jnp.asarray(special_values(rng, dtype, 37)) for dtype in dtypes]
+  flags = [jnp.asarray(rng.random(5) < 0.5) for _ in dtypes]  # bool: passed as is.
+  empty = [jnp.zeros((0, 3), jnp.float32) for _ in dtypes]
+
+  def update_leaf(x, flag, nothing):
+    # The arguments back, plus work of their own for the next leaf to wait for.
+    return x, flag, nothing, jnp.cumsum(x.astype(jnp.float32))
+
+  chained = jax.jit(
+      lambda *columns: _backend.one_leaf_at_a_time(update_leaf, *columns, waiting=(0, 1, 2))
+  )(leaves, flags, empty)
+  independent = [update_leaf(*args) for args in zip(leaves, flags, empty)]
+  # Bit for bit: -0.0 stays -0.0 and NaN stays NaN.
+  for got, want in zip(jax.tree.leaves(chained), jax.tree.leaves(independent)):
+    chex.assert_type(got, want.dtype)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(f"u{got.dtype.itemsize}") if got.size else np.asarray(got),
+        np.asarray(want).view(f"u{want.dtype.itemsize}") if want.size else np.asarray(want),
+    )
+
+
+def test_temporaries_are_those_of_one_leaf_at_a_time():
+  # Each leaf writes a temporary of its own size; XLA:CPU, scheduling stage by
+  # stage, keeps every leaf's alive at once unless the leaves are chained.
+  count, size = 8, 1 << 16
+  leaves = [jnp.full((size,), float(i)) for i in range(count)]
+
+  def update_leaf(x):
+    temporary = _backend.written_out(jnp.sin(x))
+    return temporary * 2 + jnp.cumsum(temporary[:8]).sum()
+
+  one_leaf = size * 4
+  independent = temporary_bytes(lambda leaves: [update_leaf(x) for x in leaves], leaves)
+  chained = temporary_bytes(
+      lambda leaves: _backend.one_leaf_at_a_time(update_leaf, leaves, waiting=(0,)), leaves
+  )
+  assert independent >= 4 * one_leaf  # What the chaining is for.
+  assert chained <= 2 * one_leaf
+
+
+def test_ternary_adam_step_keeps_fewer_temporaries_alive(monkeypatch):
+  # At 40M parameters the chaining took the step's temporary buffer from
+  # 55.6 to 8.2 MB (JAX 0.10; 48.6 to 19.0 MB on JAX 0.12), under glibc's
+  # 32 MiB threshold for fresh pages at every call. Eight leaves alike: 5.9x
+  # less here on JAX 0.10, 1.6x on JAX 0.12.
+  params = {f"w{i}": jnp.zeros((256, 1024)) for i in range(8)}
+
+  def step_temporary_bytes():
+    opt = optax_memopt.scale_by_ternary_adam()
+    return temporary_bytes(opt.update, params, opt.init(params))
+
+  chained = step_temporary_bytes()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # Independent leaves.
+  independent = step_temporary_bytes()
+  assert chained <= 0.7 * independent
+
+
+def test_other_backends_get_independent_leaves(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  leaves = [jnp.ones((4,)), jnp.ones((3,))]
+  chained = jax.make_jaxpr(
+      lambda leaves: _backend.one_leaf_at_a_time(jnp.sin, leaves, waiting=(0,))
+  )(leaves)
+  independent = jax.make_jaxpr(lambda leaves: [jnp.sin(x) for x in leaves])(leaves)
+  assert str(chained) == str(independent)
+
+
+def test_waiting_must_name_columns():
+  with pytest.raises(ValueError, match="waiting"):
+    _backend.one_leaf_at_a_time(jnp.sin, [jnp.ones(3)], waiting=(1,))
