@@ -249,15 +249,15 @@ def scale_by_microadam(
       return direction.reshape(gradient.shape).astype(gradient.dtype), indices, values, error
 
     gradients, treedef = jax.tree.flatten(updates)
-    per_leaf = [
-        update_leaf(*leaf)
-        for leaf in zip(
-            gradients,
-            treedef.flatten_up_to(state.indices),
-            treedef.flatten_up_to(state.values),
-            treedef.flatten_up_to(state.error),
-        )
-    ]
+    per_leaf = _backend.one_leaf_at_a_time(
+        update_leaf,
+        gradients,
+        treedef.flatten_up_to(state.indices),
+        treedef.flatten_up_to(state.values),
+        treedef.flatten_up_to(state.error),
+        # Not the ring: its rows are updated in place.
+        waiting=(0, 3),
+    )
     # Columns: directions, indices, values, errors (empty when every leaf is masked).
     columns = [treedef.unflatten(column) for column in zip(*per_leaf)] or [
         treedef.unflatten([])

@@ -159,7 +159,7 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
       [weights[0][:, None] * values, weights[1][:, None] * values**2], axis=-1
   )
   moments = (
-      jnp.zeros((size, 2), jnp.float32)
+      _backend.zeros_after((size, 2), jnp.float32, after=contributions)
       .at[positions.reshape(-1)]
       .add(contributions.reshape(window * n_entries, 2))
   )

@@ -1,4 +1,4 @@
-"""pallas_kernels._backend.one_leaf_at_a_time: same values, one leaf's temporaries at a time."""
+"""pallas_kernels._backend.one_leaf_at_a_time and zeros_after: same values, fewer temporaries alive."""
 
 from __future__ import annotations
 
@@ -92,6 +92,39 @@ def test_ternary_adam_step_keeps_fewer_temporaries_alive(monkeypatch):
   assert chained <= 0.7 * independent
 
 
+def test_microadam_step_keeps_fewer_temporaries_alive(monkeypatch):
+  # With zeros_after for the window's scatter target: 94.8 -> 14.7 MB and no
+  # page faults at 10M parameters, 371 -> 48 MB at 40M. Eight leaves alike:
+  # 3.5x less here on JAX 0.10 and 0.12.
+  params = {f"w{i}": jnp.zeros((64, 16384)) for i in range(8)}
+
+  def step_temporary_bytes():
+    opt = optax_memopt.scale_by_microadam()
+    return temporary_bytes(opt.update, params, opt.init(params))
+
+  chained = step_temporary_bytes()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # Independent leaves.
+  independent = step_temporary_bytes()
+  assert chained <= 0.5 * independent
+
+
+@pytest.mark.parametrize("shape, dtype", [((5, 3), jnp.float32), ((0,), jnp.bfloat16), ((4,), jnp.int32)])
+def test_zeros_after_are_positive_zeros(shape, dtype):
+  after = jnp.asarray([-0.0, np.nan, 1.0])
+  zeros = jax.jit(lambda after: _backend.zeros_after(shape, dtype, after))(after)
+  chex.assert_shape(zeros, shape)
+  chex.assert_type(zeros, dtype)
+  np.testing.assert_array_equal(
+      np.asarray(zeros).view(f"u{zeros.dtype.itemsize}"), np.zeros(shape, f"u{zeros.dtype.itemsize}")
+  )
+
+
+def test_zeros_after_wait_for_their_argument():
+  after = jnp.ones((3,))
+  jaxpr = jax.make_jaxpr(lambda after: _backend.zeros_after((4,), jnp.float32, after))(after)
+  assert "bitcast_convert_type" in str(jaxpr)  # Read from `after`, not a constant.
+
+
 def test_other_backends_get_independent_leaves(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   leaves = [jnp.ones((4,)), jnp.ones((3,))]
@@ -100,6 +133,8 @@ def test_other_backends_get_independent_leaves(monkeypatch):
   )(leaves)
   independent = jax.make_jaxpr(lambda leaves: [jnp.sin(x) for x in leaves])(leaves)
   assert str(chained) == str(independent)
+  zeros = jax.make_jaxpr(lambda x: _backend.zeros_after((4,), jnp.float32, x))(leaves[0])
+  assert str(zeros) == str(jax.make_jaxpr(lambda x: jnp.zeros((4,), jnp.float32))(leaves[0]))
 
 
 def test_waiting_must_name_columns():
