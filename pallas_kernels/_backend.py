@@ -122,13 +122,15 @@ def one_leaf_at_a_time(
   decoded moment, a top-k's input), every leaf's temporaries are then live
   at once: 55.6 MB for ternary Adam at 40M parameters, 94.8 MB for
   MicroAdam at 10M, above glibc's 32 MiB threshold for mapping fresh pages,
-  which XLA's per-call temporary buffer then faults in at every step. Here the arguments of the columns listed in
-  ``waiting`` (pytrees of arrays) depend on a zero computed from the previous
-  leaf's results, so each leaf's work starts once the previous leaf's is done
-  and the temporary buffer holds one leaf's temporaries. Values are
-  unchanged. Elsewhere (GPUs) the leaves are left independent: temporaries
-  come from a pool there, and the zero would cost a small kernel per leaf, a
-  collective when the leaf is sharded.
+  which XLA's per-call temporary buffer then faults in at every step. Here
+  the arguments of the columns listed in ``waiting`` (pytrees of arrays)
+  depend on a zero computed from the previous leaf's results, so each
+  leaf's work starts once the previous leaf's is done, the temporary buffer
+  holds one leaf's temporaries, and a leaf's passes over its gradient run
+  back to back. Values are unchanged.
+  Elsewhere (GPUs) the leaves are left independent: temporaries come from a
+  pool there, and the zero would cost a small kernel per leaf, a collective
+  when the leaf is sharded.
 
   Args:
     update_leaf: the step of one leaf.
