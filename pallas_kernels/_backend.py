@@ -1,5 +1,6 @@
-"""How an op picks its implementation, and how Mosaic GPU kernels are built,
-interpreted and lowered the same way on every supported JAX version."""
+"""How an op picks its implementation, how Mosaic GPU kernels are built,
+interpreted and lowered the same way on every supported JAX version, and how
+the XLA paths steer XLA:CPU's fusion and scheduling without changing values."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def written_out(x: jax.Array) -> jax.Array:
   return jax.lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
 
 
+def _on_xla_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
 def _zero_after(values: Any) -> jax.Array:
   """A uint32 zero that XLA can compute only once every array in ``values`` is.
 
@@ -106,9 +111,7 @@ def zeros_after(shape: tuple[int, ...], dtype: Any, after: Any) -> jax.Array:
   Elsewhere (GPUs), plain zeros.
   """
   zeros = jnp.zeros(shape, dtype)
-  if jax.default_backend() != "cpu":
-    return zeros
-  return _after(zeros, _zero_after(after))
+  return _after(zeros, _zero_after(after)) if _on_xla_cpu() else zeros
 
 
 def one_leaf_at_a_time(
@@ -127,10 +130,9 @@ def one_leaf_at_a_time(
   depend on a zero computed from the previous leaf's results, so each
   leaf's work starts once the previous leaf's is done, the temporary buffer
   holds one leaf's temporaries, and a leaf's passes over its gradient run
-  back to back. Values are unchanged.
-  Elsewhere (GPUs) the leaves are left independent: temporaries come from a
-  pool there, and the zero would cost a small kernel per leaf, a collective
-  when the leaf is sharded.
+  back to back. Values are unchanged. Elsewhere (GPUs) the leaves are left
+  independent: temporaries come from a pool there, and the zero would cost
+  a small kernel per leaf, a collective when the leaf is sharded.
 
   Args:
     update_leaf: the step of one leaf.
@@ -146,7 +148,7 @@ def one_leaf_at_a_time(
     raise ValueError(
         f"waiting must hold indices of the {len(columns)} columns; got {tuple(waiting)}."
     )
-  if jax.default_backend() != "cpu":
+  if not _on_xla_cpu():
     return [update_leaf(*args) for args in zip(*columns)]
   results = []
   for args in zip(*columns):
