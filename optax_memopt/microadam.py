@@ -257,6 +257,9 @@ def scale_by_microadam(
         treedef.flatten_up_to(state.error),
         # Not the ring: its rows are updated in place.
         waiting=(0, 3),
+        # The next leaf waits for the state only: the direction is left for
+        # XLA to fuse into its consumer (the parameters' update).
+        awaited=(1, 2, 3),
     )
     # Columns: directions, indices, values, errors (empty when every leaf is masked).
     columns = [treedef.unflatten(column) for column in zip(*per_leaf)] or [

@@ -80,7 +80,9 @@ XLA code by default, or with ``implementation="pallas"`` one fused Pallas
 kernel on Hopper GPUs, which reads the moment through a conversion to its own
 byte layout and is not yet faster than XLA there. The factored statistics are
 reductions over whole rows and columns, done in XLA before the fused step,
-which receives the rebuilt ``nu``.
+which receives the root of the rebuilt ``nu`` (the outer product of the
+statistics' roots: no square root per element). One draw from the key gives
+every tensor's rounding seed for the step.
 
 References:
   Kingma and Ba, "Adam: A Method for Stochastic Optimization", 2015
@@ -196,13 +198,18 @@ def _is_factored(leaf: jax.Array, min_size: int) -> bool:
   return _is_ternary(leaf, min_size) and leaf.ndim >= 2
 
 
-def _rebuild(nu: FactoredSecondMoment) -> jax.Array:
-  """``outer(row, col) / mean(row)`` over the last two axes."""
+def _rebuild_root(nu: FactoredSecondMoment) -> jax.Array:
+  """The root of ``outer(row, col) / mean(row)`` over the last two axes.
+
+  As ``outer(sqrt(row / mean(row)), sqrt(col))``: the roots of the
+  statistics rather than of every element, so the step takes no square root
+  per element (``nu_root`` of the fused step).
+  """
   row_mean = jnp.mean(nu.row, axis=-1, keepdims=True)
   # An infinite statistic would rebuild finite rows as 0 (x / inf), whose
   # steps are then m / eps: huge and finite. Make the fault visible instead.
   row_mean = jnp.where(jnp.isfinite(row_mean), row_mean, jnp.nan)
-  return (nu.row / row_mean)[..., :, None] * nu.col[..., None, :]
+  return jnp.sqrt(nu.row / row_mean)[..., :, None] * jnp.sqrt(nu.col)[..., None, :]
 
 
 def scale_by_ternary_adam(
@@ -315,7 +322,7 @@ def scale_by_ternary_adam(
     bias_correction_1 = 1 - b1_ ** count.astype(jnp.float32)
     bias_correction_2 = 1 - b2_ ** count.astype(jnp.float32)
 
-    def update_leaf(index, grad, mu, nu):
+    def update_leaf(seed, grad, mu, nu):
       _check_real(grad)
       if not _is_ternary(grad, min_size):
         g = grad.astype(jnp.float32)
@@ -339,27 +346,33 @@ def scale_by_ternary_adam(
       step = fused_step.ternary_adam_update(
           grad,
           mu,
-          _rebuild(nu) if factored else nu,
-          key=jax.random.fold_in(step_key, index),
+          nu=None if factored else nu,
+          nu_root=_rebuild_root(nu) if factored else None,
+          seed=seed,
           count=count,
           b1=b1,
           b2=b2,
           eps=eps,
           block_size=block_size,
           packing=packing,
-          update_nu=not factored,
           implementation=implementation,
       )
       return step.direction, step.momentum, nu if factored else step.nu
 
     grads, treedef = jax.tree.flatten(updates)
+    # One draw for every tensor's rounding: a key split per tensor costs
+    # two small XLA calls each, on the path of one leaf to the next.
+    seeds = jax.random.bits(step_key, (len(grads),), jnp.uint32)
     leaves = _backend.one_leaf_at_a_time(
         update_leaf,
-        range(len(grads)),
+        list(seeds),
         grads,
         treedef.flatten_up_to(state.mu),
         treedef.flatten_up_to(state.nu),
         waiting=(1, 2, 3),
+        # The next leaf waits for the state only: the direction is left for
+        # XLA to fuse into its consumer (the parameters' update).
+        awaited=(1, 2),
     )
     directions, mus, nus = zip(*leaves) if leaves else ((), (), ())
     new_state = ScaleByTernaryAdamState(

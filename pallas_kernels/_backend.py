@@ -115,7 +115,10 @@ def zeros_after(shape: tuple[int, ...], dtype: Any, after: Any) -> jax.Array:
 
 
 def one_leaf_at_a_time(
-    update_leaf: Callable[..., Any], *columns: Sequence[Any], waiting: Sequence[int]
+    update_leaf: Callable[..., Any],
+    *columns: Sequence[Any],
+    waiting: Sequence[int],
+    awaited: Sequence[int] | None = None,
 ) -> list[Any]:
   """``[update_leaf(*args) for args in zip(*columns)]``, on XLA:CPU one leaf after another.
 
@@ -140,6 +143,11 @@ def one_leaf_at_a_time(
     waiting: the indices of the columns whose arguments wait for the
       previous leaf. Leave out arguments updated in place (a donated ring
       buffer): an offset copy of them would be written out anew.
+    awaited: the indices of the results of ``update_leaf`` (a tuple) that
+      the next leaf waits for; None: all of them. A result left out (a
+      direction) is not read by the zero, so XLA may fuse its computation
+      into its one consumer (the parameters' update) instead of writing it
+      out; it still waits for the previous leaf through its inputs.
 
   Returns:
     The results of ``update_leaf``, one per leaf.
@@ -148,17 +156,27 @@ def one_leaf_at_a_time(
     raise ValueError(
         f"waiting must hold indices of the {len(columns)} columns; got {tuple(waiting)}."
     )
-  if not _on_xla_cpu():
-    return [update_leaf(*args) for args in zip(*columns)]
+
+  def awaited_results(result):
+    if awaited is None:
+      return result
+    if not isinstance(result, tuple) or any(index not in range(len(result)) for index in awaited):
+      raise ValueError(
+          f"awaited must hold indices of update_leaf's results (a tuple); got {tuple(awaited)}."
+      )
+    return [result[index] for index in awaited]
+
+  chained = _on_xla_cpu()
   results = []
   for args in zip(*columns):
-    if results:
-      token = _zero_after(results[-1])
+    if chained and results:
+      token = _zero_after(awaited_results(results[-1]))
       args = [
           jax.tree.map(lambda x: _after(x, token), arg) if column in waiting else arg
           for column, arg in enumerate(args)
       ]
     results.append(update_leaf(*args))
+    awaited_results(results[-1])
   return results
 
 

@@ -19,16 +19,17 @@ scales
 
 a bound on ``|m|`` (``|t s| <= s``) known before ``m`` is: the step needs no
 pass over the new moment to find its block maxima before coding it. The
-random bits are those of ``ternary_encode(m, key=key)``, the counter hash of
-a seed drawn from ``key`` and of the element's index in the flattened tensor.
-On the library's training task the bound trains as well as the exact absmax
-(validation losses over three seeds in the docstring of
-``optax_memopt.ternary_adam``) and saves a pass over every tensor.
-The direction ``u`` uses the unrounded ``m`` of this step; only the stored
-moment is rounded. With ``update_nu=False`` the caller passes the second
-moment of this step itself (for instance rebuilt from factored row and column
-statistics, which need reductions over whole rows and columns) and ``nu`` is
-not updated or returned.
+random bits are the counter hash of a uint32 seed and of the element's index
+in the flattened tensor, those of ``ternary_encode(m, key=key)`` for the seed
+``ternary.seed_from_key(key)``. On the library's training task the bound
+trains as well as the exact absmax (validation losses over three seeds in the
+docstring of ``optax_memopt.ternary_adam``) and saves a pass over every
+tensor. The direction ``u`` uses the unrounded ``m`` of this step; only the
+stored moment is rounded. Instead of ``nu`` the caller may pass ``nu_root``,
+the square root of this step's second moment (for instance the outer product
+of the roots of factored row and column statistics, which need reductions
+over whole rows and columns): it is not updated or returned, and the step
+takes no square root per element.
 
 Block-major layout. Scale blocks are ``block_size`` consecutive elements of
 the flattened tensor, as in :mod:`pallas_kernels.ternary`. When they tile the
@@ -100,7 +101,7 @@ PLANE_WIDTH = planar.PLANE_WIDTH
 # Gradient dtypes the kernel reads directly (converted to float32 in registers).
 _KERNEL_GRAD_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Order of the scalars in the kernel's hyper-parameter input.
-_B1, _B2, _EPS, _BIAS_CORRECTION_1, _BIAS_CORRECTION_2 = range(5)
+_B1, _B2, _EPS, _BIAS_CORRECTION_1, _BIAS_CORRECTION_2, _INVERSE_ROOT_BIAS_CORRECTION_2 = range(6)
 
 
 class TernaryAdamStep(NamedTuple):
@@ -108,7 +109,7 @@ class TernaryAdamStep(NamedTuple):
 
   direction: jax.Array  # The gradient's shape and dtype.
   momentum: ternary.TernaryArray  # The new first moment, rounded stochastically.
-  nu: jax.Array | None  # float32, nu's shape; None when update_nu=False.
+  nu: jax.Array | None  # float32, nu's shape; None when the step was given nu_root.
 
 
 # Elementwise math shared by the kernel body and the reference.
@@ -122,10 +123,9 @@ def _second_moment(previous: jax.Array, grad: jax.Array, b2: jax.Array) -> jax.A
   return b2 * previous + (1 - b2) * (grad * grad)
 
 
-def _direction(
-    m: jax.Array, nu: jax.Array, bias_correction_1, bias_correction_2, eps, sqrt
-) -> jax.Array:
-  return (m / bias_correction_1) / (sqrt(nu / bias_correction_2) + eps)
+def _direction(m: jax.Array, root_of_nu_hat: jax.Array, bias_correction_1, eps) -> jax.Array:
+  """Adam's ``m_hat / (sqrt(nu_hat) + eps)`` from the root of the bias-corrected ``nu``."""
+  return (m / bias_correction_1) / (root_of_nu_hat + eps)
 
 
 def _kernel_sqrt(x: jax.Array) -> jax.Array:
@@ -137,10 +137,13 @@ def _kernel_sqrt(x: jax.Array) -> jax.Array:
 
 
 def _hyperparameters(count, b1, b2, eps) -> jax.Array:
-  """float32 ``[b1, b2, eps, 1 - b1**count, 1 - b2**count]``."""
+  """float32 ``[b1, b2, eps, 1 - b1**count, 1 - b2**count, 1 / sqrt(1 - b2**count)]``."""
   b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
   count = jnp.asarray(count).astype(jnp.float32)
-  return jnp.stack([b1, b2, eps, 1 - b1**count, 1 - b2**count])
+  bias_correction_2 = 1 - b2**count
+  return jnp.stack(
+      [b1, b2, eps, 1 - b1**count, bias_correction_2, lax.rsqrt(bias_correction_2)]
+  )
 
 
 # Block-major layout.
@@ -260,16 +263,25 @@ def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
 _MAX_TILED_PLACES = 65536
 
 
+def _digits(byte: jax.Array, inverse_place: Any, base: int) -> jax.Array:
+  """Digit ``p`` in base ``base`` of float32 bytes, given ``1 / base**p``.
+
+  In float32 arithmetic, which vectorizes where integer division does not:
+  with ``q = floor((byte + 1/2) / base**p)`` the digit is
+  ``q - base floor((q + 1/2) / base)``. Both floors are exact: the quotients
+  of bytes below 256 lie at least ``1 / (2 base**p) >= 1/486`` from the next
+  integer, far beyond float32 rounding.
+  """
+  quotient = jnp.floor((byte + 0.5) * inverse_place)
+  return quotient - base * jnp.floor((quotient + 0.5) * np.float32(1 / base))
+
+
 def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array:
   """Inverse of ``_pack_blocks``: the codes ``(..., block_size)``, as float32.
 
   Each element reads its byte (the block's bytes repeated once per plane,
   one byte per element, which XLA may write out cheaply) and takes its digit
-  in float32 arithmetic, which vectorizes where integer division does not:
-  with ``q = floor((byte + 1/2) / base**p)`` the digit is
-  ``q - base floor((q + 1/2) / base)``. Both floors are exact: the quotients
-  of bytes below 256 lie at least ``1 / (2 base**p) >= 1/486`` from the next
-  integer, far beyond float32 rounding.
+  (``_digits``).
   """
   width = packed.shape[-1]
   last_plane = block_size - (layout.planes - 1) * width
@@ -284,8 +296,28 @@ def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array
     # constant in step with the elements and vectorizes the loop, which it
     # does not with an index modulo block_size.
     inverse_place = np.tile(inverse_place, (packed.shape[-2], 1))
-  quotient = jnp.floor((byte + 0.5) * inverse_place)
-  return quotient - layout.base * jnp.floor((quotient + 0.5) * np.float32(1 / layout.base))
+  return _digits(byte, inverse_place, layout.base)
+
+
+def _stored_moment(
+    packed: jax.Array, scales: jax.Array, block_size: int, layout: Any
+) -> jax.Array:
+  """The stored moment ``t s`` of blocks ``(..., block_size)``, written out.
+
+  Decoded plane by plane from the bytes (plane ``p`` holds elements
+  ``p w, ..., p w + w - 1`` of each block), then concatenated: XLA:CPU writes
+  a concatenation out instead of fusing it into its consumers, so the
+  moment can be read in another shape than the blocks' without index
+  arithmetic per element.
+  """
+  width = packed.shape[-1]
+  byte = packed.astype(jnp.float32)
+  planes = [
+      (_digits(byte, np.float32(1.0 / layout.base**plane), layout.base) - 1) * scales
+      for plane in range(layout.planes)
+  ]
+  planes[-1] = planes[-1][..., : block_size - (layout.planes - 1) * width]
+  return jnp.concatenate(planes, axis=-1)
 
 
 def _flat_bytes(block_bytes: jax.Array, size: int, block_size: int, layout: Any) -> jax.Array:
@@ -369,6 +401,30 @@ def _scale_bound(grad_blocks: jax.Array, scales: jax.Array, b1: jax.Array) -> ja
   return b1 * scales + (1 - b1) * _block_absmax(grad_blocks.astype(jnp.float32))
 
 
+def _second_moment_and_root(
+    nu: jax.Array, grad: jax.Array, hyper: jax.Array, *, update_nu: bool
+) -> tuple[jax.Array, jax.Array]:
+  """The new ``nu`` (``nu`` itself if not ``update_nu``) and the root of its bias-corrected value.
+
+  ``nu`` is last step's float32 second moment with ``update_nu``, and the
+  root of this step's otherwise.
+  """
+  if not update_nu:
+    return nu, nu * hyper[_INVERSE_ROOT_BIAS_CORRECTION_2]
+  nu = _second_moment(nu, grad.astype(jnp.float32), hyper[_B2])
+  # jnp.sqrt, not the kernel's x * rsqrt(x): XLA:CPU vectorizes it (7% of
+  # the step at 40M parameters); the directions differ by float32 rounding.
+  return nu, jnp.sqrt(nu / hyper[_BIAS_CORRECTION_2])
+
+
+def _new_trits(
+    m: jax.Array, new_scales: jax.Array, seed: jax.Array, *, layout: Any, index_offset: int
+) -> jax.Array:
+  """The bytes of ``m`` ``(..., block_size)`` rounded stochastically to trits of ``new_scales``."""
+  bits = ternary.counter_hash_bits(seed, _element_indices(m.shape, index_offset))
+  return _pack_blocks(ternary.ternary_codes(m, new_scales, bits), layout)
+
+
 def _step_blocks(
     grad: jax.Array,
     stored: jax.Array,
@@ -384,8 +440,9 @@ def _step_blocks(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The step on blocks: ``grad`` and float32 ``nu`` of shape ``(..., block_size)``.
 
-  Returns the direction, the new trits' bytes and ``nu``; ``index_offset``
-  is the flat index of the first element.
+  ``nu`` as in ``_second_moment_and_root``. Returns the direction, the new
+  trits' bytes and the new ``nu``; ``index_offset`` is the flat index of the
+  first element.
   """
   block_size = grad.shape[-1]
 
@@ -393,13 +450,9 @@ def _step_blocks(
     previous = (_unpack_blocks(stored, block_size, layout) - 1) * scales
     return _first_moment(previous, grad.astype(jnp.float32), hyper[_B1])
 
-  g = grad.astype(jnp.float32)
-  new_nu = _second_moment(nu, g, hyper[_B2]) if update_nu else nu
-  # jnp.sqrt, not the kernel's x * rsqrt(x): XLA:CPU vectorizes it (7% of
-  # the step at 40M parameters); the directions differ by float32 rounding.
+  nu, root_of_nu_hat = _second_moment_and_root(nu, grad, hyper, update_nu=update_nu)
   direction = _direction(
-      moment(grad, stored), new_nu, hyper[_BIAS_CORRECTION_1], hyper[_BIAS_CORRECTION_2],
-      hyper[_EPS], jnp.sqrt,
+      moment(grad, stored), root_of_nu_hat, hyper[_BIAS_CORRECTION_1], hyper[_EPS]
   ).astype(grad.dtype)
   # The codes compute the moment afresh from the gradient and the stored
   # trits (the barrier keeps XLA from merging it with the direction's):
@@ -407,9 +460,8 @@ def _step_blocks(
   # that temporary memory, faulted in anew at every step, cost more than
   # the arithmetic.
   m = moment(*lax.optimization_barrier((grad, stored)))
-  bits = ternary.counter_hash_bits(seed, _element_indices(m.shape, index_offset))
-  new_stored = _pack_blocks(ternary.ternary_codes(m, new_scales, bits), layout)
-  return direction, new_stored, new_nu
+  new_stored = _new_trits(m, new_scales, seed, layout=layout, index_offset=index_offset)
+  return direction, new_stored, nu
 
 
 def _step_reference(
@@ -427,22 +479,47 @@ def _step_reference(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The step of a tensor: ``grad`` and ``nu`` of its shape, the moment block-major."""
   blocks = stored.shape[:-1]
-  direction, new_stored, new_nu = _step_blocks(
-      _to_blocks(grad, blocks, block_size),
-      stored,
-      scales,
-      new_scales,
-      _to_blocks(nu.astype(jnp.float32), blocks, block_size),
-      seed,
-      hyper,
-      layout=layout,
-      update_nu=update_nu,
+  nu = nu.astype(jnp.float32)
+  if grad.ndim and grad.shape[-1] % block_size == 0:
+    # Blocks tile the last axis: the blocks' view is a reshape of it, and
+    # XLA computes the direction in the blocks' view or in the tensor's
+    # shape (fused into the parameters' update) alike.
+    direction, new_stored, new_nu = _step_blocks(
+        _to_blocks(grad, blocks, block_size),
+        stored,
+        scales,
+        new_scales,
+        _to_blocks(nu, blocks, block_size),
+        seed,
+        hyper,
+        layout=layout,
+        update_nu=update_nu,
+    )
+    return (
+        _from_blocks(direction, grad.shape),
+        new_stored,
+        _from_blocks(new_nu, nu.shape) if update_nu else None,
+    )
+  # The flat layout: an array of the tensor's shape read in the blocks'
+  # view, or the other way round, is indexed per element through its flat
+  # index, in code XLA:CPU does not vectorize (the direction of a 640 x 320
+  # matrix took 5x the time per element of the tiled layout's). The stored
+  # moment is written out in the blocks' view, then read in the tensor's
+  # shape for the direction (``nu`` stays there: the outer product of
+  # factored statistics' roots is a plain broadcast) and in the blocks' for
+  # the new trits.
+  previous = _stored_moment(stored, scales, block_size, layout)
+  new_nu, root_of_nu_hat = _second_moment_and_root(nu, grad, hyper, update_nu=update_nu)
+  m = _first_moment(_from_blocks(previous, grad.shape), grad.astype(jnp.float32), hyper[_B1])
+  direction = _direction(
+      m, root_of_nu_hat, hyper[_BIAS_CORRECTION_1], hyper[_EPS]
+  ).astype(grad.dtype)
+  grad_blocks = _to_blocks(grad, blocks, block_size).astype(jnp.float32)
+  new_stored = _new_trits(
+      _first_moment(previous, grad_blocks, hyper[_B1]), new_scales, seed,
+      layout=layout, index_offset=0,
   )
-  return (
-      _from_blocks(direction, grad.shape),
-      new_stored,
-      _from_blocks(new_nu, nu.shape) if update_nu else None,
-  )
+  return direction, new_stored, new_nu if update_nu else None
 
 
 # Mosaic GPU kernel.
@@ -466,6 +543,7 @@ def _step_kernel(
   b1, b2, eps = hyper_ref[_B1], hyper_ref[_B2], hyper_ref[_EPS]
   bias_correction_1 = hyper_ref[_BIAS_CORRECTION_1]
   bias_correction_2 = hyper_ref[_BIAS_CORRECTION_2]
+  inverse_root_bias_correction_2 = hyper_ref[_INVERSE_ROOT_BIAS_CORRECTION_2]
   seed = seed_ref[0]
   lane = ternary.lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
@@ -500,7 +578,10 @@ def _step_kernel(
         if update_nu:
           nu = _second_moment(nu, grad, b2)
           new_nu_ref[pl.ds(start + offset, PLANE_WIDTH)] = nu
-        direction = _direction(m, nu, bias_correction_1, bias_correction_2, eps, _kernel_sqrt)
+          root_of_nu_hat = _kernel_sqrt(nu / bias_correction_2)
+        else:
+          root_of_nu_hat = nu * inverse_root_bias_correction_2
+        direction = _direction(m, root_of_nu_hat, bias_correction_1, eps)
         direction_ref[pl.ds(start + offset, PLANE_WIDTH)] = direction.astype(direction_ref.dtype)
         bits = ternary.counter_hash_bits(seed, (start + offset).astype(jnp.uint32) + lane)
         scale = ternary.slice_scale(new_scales, offset, lane, geometry)
@@ -615,16 +696,14 @@ def _step_pallas(
     jax.jit, static_argnames=("block_size", "layout", "update_nu", "implementation")
 )
 def _step(
-    grad, stored, scales, nu, key, count, b1, b2, eps,
+    grad, stored, scales, nu, seed, count, b1, b2, eps,
     *, block_size: int, layout: Any, update_nu: bool, implementation: str,
 ):
-  # The seed ternary_encode draws from its key, so both give the same trits.
-  seed = ternary.seed_from_key(key)
   hyper = _hyperparameters(count, b1, b2, eps)
   # One computation of the new scales for both implementations: the kernel
   # reads them rather than finding them itself.
   new_scales = _scale_bound(_to_blocks(grad, stored.shape[:-1], block_size), scales, hyper[_B1])
-  args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed, hyper)
+  args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed.astype(jnp.uint32), hyper)
   options = dict(block_size=block_size, layout=layout, update_nu=update_nu)
   if implementation == "xla":
     direction, new_stored, new_nu = _step_reference(*args, **options)
@@ -635,7 +714,7 @@ def _step(
   return TernaryAdamStep(
       direction,
       ternary.TernaryArray(new_stored, new_scales),
-      None if new_nu is None else new_nu.reshape(nu.shape),
+      new_nu.reshape(nu.shape) if update_nu else None,
   )
 
 
@@ -647,16 +726,16 @@ def _check_rate(name: str, value: Any) -> None:
 def ternary_adam_update(
     grad: jax.typing.ArrayLike,
     momentum: ternary.TernaryArray,
-    nu: jax.typing.ArrayLike,
+    nu: jax.typing.ArrayLike | None = None,
     *,
-    key: jax.Array,
+    nu_root: jax.typing.ArrayLike | None = None,
+    seed: jax.typing.ArrayLike,
     count: jax.typing.ArrayLike,
     b1: jax.typing.ArrayLike,
     b2: jax.typing.ArrayLike,
     eps: jax.typing.ArrayLike,
     block_size: int,
     packing: str = "base3",
-    update_nu: bool = True,
     implementation: _backend.Implementation = None,
 ) -> TernaryAdamStep:
   """One Adam step of a tensor whose first moment is stored as trits.
@@ -670,29 +749,42 @@ def ternary_adam_update(
 
   where ``\\hat m`` is the decoded ``momentum`` with block scales ``s``, ``k``
   is ``count`` and ``round_xi`` unbiased stochastic rounding to ``{-1, 0, 1}``
-  with the random bits of ``ternary_encode`` for ``key``.
+  with the random bits of ``counter_hash_bits(seed, index)``, those of
+  ``ternary_encode(..., key=key)`` for ``seed = ternary.seed_from_key(key)``.
+
+  The second moment comes in one of two ways. ``nu``: last step's, updated
+  here with ``g**2`` and returned. ``nu_root``: the square root of this
+  step's ``nu'``, used as it is and not returned; a caller that factors
+  ``nu'`` (the outer product of row and column statistics) passes the outer
+  product of their roots, and the step takes no square root per element.
 
   Args:
     grad: the gradient, a floating array of any shape.
     momentum: the stored first moment of ``grad``, a ``TernaryArray`` in
       the block-major layout of ``momentum_shapes(grad.shape, ...)`` (from
       ``zero_momentum``, ``from_flat`` or a previous step).
-    nu: float32 second moment with ``grad.size`` elements: last step's when
-      ``update_nu`` (it is updated here), this step's otherwise.
-    key: a JAX PRNG key for the stochastic rounding of the new moment.
+    nu: last step's float32 second moment, ``grad.size`` elements; or None
+      when ``nu_root`` is given.
+    nu_root: instead of ``nu``: the root of this step's second moment,
+      ``grad.size`` floating elements.
+    seed: the uint32 seed of the stochastic rounding's random bits; draw a
+      fresh one for every step and tensor.
     count: the step number ``k >= 1`` of the bias corrections.
     b1: first-moment decay in ``[0, 1)``.
     b2: second-moment decay in ``[0, 1)``.
     eps: added to the root of the second moment, ``>= 0``.
     block_size: elements per scale block: 32, 64 or a multiple of 128.
     packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
-    update_nu: whether ``nu`` is updated with ``g**2`` here (and returned).
     implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
 
   Returns:
     A ``TernaryAdamStep``: the direction ``u`` (the gradient's shape and
     dtype), the new block-major ``TernaryArray`` and the new ``nu``
-    (``None`` when ``update_nu`` is false).
+    (``None`` when ``nu_root`` was given).
+
+  Raises:
+    ValueError: naming the argument that is missing, of the wrong shape or
+      dtype, or out of range.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -700,7 +792,7 @@ def ternary_adam_update(
     >>> grad = jnp.linspace(-1.0, 1.0, 1024).reshape(4, 256)
     >>> momentum = zero_momentum(grad.shape, block_size=128)
     >>> step = ternary_adam_update(
-    ...     grad, momentum, jnp.zeros_like(grad), key=jax.random.key(0), count=1,
+    ...     grad, momentum, jnp.zeros_like(grad), seed=jnp.uint32(7), count=1,
     ...     b1=0.9, b2=0.999, eps=1e-8, block_size=128)
     >>> bool(jnp.allclose(step.direction, jnp.sign(grad), atol=1e-4))
     True
@@ -730,46 +822,54 @@ def ternary_adam_update(
           f" gradient of shape {grad.shape}, block_size={block_size} and"
           f" packing={packing!r}; got {actual.dtype}{list(actual.shape)}."
       )
-  nu = jnp.asarray(nu)
-  if nu.size != grad.size or not jnp.issubdtype(nu.dtype, jnp.floating):
+  if (nu is None) == (nu_root is None):
+    raise ValueError("Pass exactly one of nu (last step's, updated here) and nu_root.")
+  name, second_moment = ("nu", nu) if nu is not None else ("nu_root", nu_root)
+  second_moment = jnp.asarray(second_moment)
+  if second_moment.size != grad.size or not jnp.issubdtype(second_moment.dtype, jnp.floating):
     raise ValueError(
-        f"nu must be a floating array of grad.size={grad.size} elements; got"
-        f" {nu.dtype}{list(nu.shape)}."
+        f"{name} must be a floating array of grad.size={grad.size} elements; got"
+        f" {second_moment.dtype}{list(second_moment.shape)}."
     )
-  if not isinstance(key, jax.Array):
-    raise ValueError(f"key must be a JAX PRNG key; got {type(key).__name__}.")
+  seed = jnp.asarray(seed)
+  if seed.shape != () or seed.dtype != jnp.uint32:
+    raise ValueError(f"seed must be a uint32 scalar; got {seed.dtype}{list(seed.shape)}.")
   _check_rate("b1", b1)
   _check_rate("b2", b2)
   if isinstance(eps, (int, float)) and not eps >= 0:
     raise ValueError(f"eps must be >= 0; got {eps}.")
   implementation = _backend.resolve_implementation(implementation, kernel_is_faster=False)
   return _step(
-      grad, stored, scales, nu, key, count, b1, b2, eps,
-      block_size=block_size, layout=layout, update_nu=bool(update_nu),
+      grad, stored, scales, second_moment, seed, count, b1, b2, eps,
+      block_size=block_size, layout=layout, update_nu=nu is not None,
       implementation=implementation,
   )
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:
   """The fused step for both packings, both ways of passing ``nu``, and a long bf16 gradient."""
-  key = jax.random.key(0)
 
   def example(name, shape, grad_dtype, block_size, packing, update_nu):
     grad = jax.ShapeDtypeStruct(shape, grad_dtype)
     momentum = momentum_shapes(shape, block_size=block_size, packing=packing)
-    nu = jax.ShapeDtypeStruct(shape, jnp.float32)
-    fn = functools.partial(
-        ternary_adam_update, key=key, count=3, b1=0.9, b2=0.999, eps=1e-8,
-        block_size=block_size, packing=packing, update_nu=update_nu,
-        implementation="pallas",
+    second_moment = jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def fn(grad, momentum, second_moment):
+      return ternary_adam_update(
+          grad, momentum, **{"nu" if update_nu else "nu_root": second_moment},
+          seed=jnp.uint32(7), count=3, b1=0.9, b2=0.999, eps=1e-8,
+          block_size=block_size, packing=packing, implementation="pallas",
+      )
+
+    return _backend.LoweringExample(
+        name, _backend.MOSAIC_GPU_CALL, fn, (grad, momentum, second_moment)
     )
-    return _backend.LoweringExample(name, _backend.MOSAIC_GPU_CALL, fn, (grad, momentum, nu))
 
   size = (2 * 1280 + 100,)  # Whole chunks and a tail for both packings.
   return [
       example("ternary_adam_update_base3_128", size, jnp.float32, 128, "base3", True),
       # Blocks tiling the last axis of a matrix: block-major moment.
-      example("ternary_adam_update_base3_256_given_nu", (20, 768), jnp.float32, 256, "base3", False),
+      example("ternary_adam_update_base3_256_nu_root", (20, 768), jnp.float32, 256, "base3", False),
       example("ternary_adam_update_2bit_64", size, jnp.float32, 64, "2bit", True),
       # Blocks over 8 packed rows: loops over rows and over a block's slices.
       example("ternary_adam_update_base3_1024", (6400 + 10,), jnp.float32, 1024, "base3", True),

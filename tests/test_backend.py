@@ -32,7 +32,10 @@ def temporary_bytes(fn, *args) -> int:
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_values_are_those_of_independent_leaves():
+# The next leaf waits for all results, or for some (the others, for instance
+# the first, left to fuse into their consumers).
+@pytest.mark.parametrize("awaited", [None, (1, 3)])
+def test_values_are_those_of_independent_leaves(awaited):
   rng = np.random.default_rng(fresh_seed())
   dtypes = [np.float32, ml_dtypes.bfloat16, np.float16, np.uint8, np.int16, np.int32]
   leaves = [jnp.asarray(special_values(rng, dtype, 37)) for dtype in dtypes]
@@ -44,7 +47,9 @@ def test_values_are_those_of_independent_leaves():
     return x, flag, nothing, jnp.cumsum(x.astype(jnp.float32))
 
   chained = jax.jit(
-      lambda *columns: _backend.one_leaf_at_a_time(update_leaf, *columns, waiting=(0, 1, 2))
+      lambda *columns: _backend.one_leaf_at_a_time(
+          update_leaf, *columns, waiting=(0, 1, 2), awaited=awaited
+      )
   )(leaves, flags, empty)
   independent = [update_leaf(*args) for args in zip(leaves, flags, empty)]
   # Bit for bit: -0.0 stays -0.0 and NaN stays NaN.
@@ -73,6 +78,42 @@ def test_temporaries_are_those_of_one_leaf_at_a_time():
   )
   assert independent >= 4 * one_leaf  # What the chaining is for.
   assert chained <= 2 * one_leaf
+
+
+def test_results_not_awaited_fuse_into_their_consumers():
+  # An optimizer's direction, applied to the parameters in the same step: read
+  # by the next leaf's zero it is written out (one leaf's worth of temporary
+  # memory at a time); not awaited, XLA computes it inside the update of the
+  # parameters.
+  count, size = 8, 1 << 16
+  params = [jnp.full((size,), 1.0 + i) for i in range(count)]
+  grads = [jnp.full((size,), 2.0 + i) for i in range(count)]
+  moments = [jnp.full((size,), 3.0 + i) for i in range(count)]
+
+  def update_leaf(grad, moment):
+    moment = 0.9 * moment + 0.1 * grad
+    return moment / (jnp.sqrt(jnp.abs(grad)) + 1e-3), moment
+
+  def step(params, grads, moments, awaited):
+    results = _backend.one_leaf_at_a_time(
+        update_leaf, grads, moments, waiting=(0, 1), awaited=awaited
+    )
+    return [p - 0.1 * direction for p, (direction, _) in zip(params, results)], [
+        moment for _, moment in results
+    ]
+
+  def compiled(awaited):
+    return jax.jit(lambda *args: step(*args, awaited), donate_argnums=(0, 2)).lower(
+        params, grads, moments
+    ).compile()
+
+  one_leaf = size * 4
+  assert compiled(None).memory_analysis().temp_size_in_bytes >= one_leaf
+  assert compiled((1,)).memory_analysis().temp_size_in_bytes <= one_leaf // 16
+  expected = step(params, grads, moments, None)
+  got = compiled((1,))(*jax.tree.map(jnp.copy, (params, grads, moments)))
+  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(got_leaf, want_leaf)
 
 
 # At 40M parameters the chaining took ternary Adam's temporary buffer from
@@ -133,3 +174,14 @@ def test_other_backends_get_independent_leaves(monkeypatch):
 def test_waiting_must_name_columns():
   with pytest.raises(ValueError, match="waiting"):
     _backend.one_leaf_at_a_time(jnp.sin, [jnp.ones(3)], waiting=(1,))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "update_leaf, awaited",
+    [(jnp.sin, (0,)), (lambda x: (x, jnp.sin(x)), (2,)), (lambda x: (x, jnp.sin(x)), (-1,))],
+)
+def test_awaited_must_name_results(monkeypatch, backend, update_leaf, awaited):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  with pytest.raises(ValueError, match="awaited"):
+    _backend.one_leaf_at_a_time(update_leaf, [jnp.ones(3)] * 2, waiting=(0,), awaited=awaited)

@@ -2,8 +2,10 @@
 
 The XLA reference must equal the step composed from ``ternary_decode``, a
 numpy re-derivation of Adam's update and of the scale bound, and stochastic
-rounding with the random bits of ``ternary_encode`` for the same key (same
-trits and scales exactly, directions to float32 rounding); the
+rounding with the random bits of ``ternary_encode`` for the key whose seed
+the step is given (same trits and scales exactly, directions to float32
+rounding), for ``nu`` updated in the step and for the root of ``nu`` given
+to it; the
 kernel, run by the Mosaic GPU interpreter, must equal the reference: trits,
 scales and ``nu`` bit for bit, the direction to a few float32 ulps
 (the kernel takes the square root as ``x * rsqrt(x)``, the reference as
@@ -70,11 +72,11 @@ def _inputs(seed, shape, *, block_size, packing, grad_dtype=jnp.float32):
   )
 
 
-def _step(grad, stored, nu, key, *, block_size, packing, update_nu, implementation):
+def _step(grad, stored, nu, seed, *, block_size, packing, update_nu, implementation):
+  """The step with ``nu`` updated in it, or with ``nu`` as the root of this step's (``nu_root``)."""
   return ternary_adam_update(
-      grad, stored, nu, key=key, count=COUNT, b1=B1, b2=B2, eps=EPS,
-      block_size=block_size, packing=packing, update_nu=update_nu,
-      implementation=implementation,
+      grad, stored, **{"nu" if update_nu else "nu_root": nu}, seed=seed, count=COUNT, b1=B1,
+      b2=B2, eps=EPS, block_size=block_size, packing=packing, implementation=implementation,
   )
 
 
@@ -95,14 +97,15 @@ def _assert_steps_equal(actual, expected, message):
 @pytest.mark.parametrize("packing", ["base3", "2bit"])
 @pytest.mark.parametrize("block_size", [32, 128, 256])
 @pytest.mark.parametrize("update_nu", [True, False])
-# A vector with a partial last block, and a matrix whose rows are whole blocks.
-@pytest.mark.parametrize("shape", [(3000,), (6, 512)])
+# A vector with a partial last block, a matrix whose rows are whole blocks,
+# and one whose rows are not (the flat layout).
+@pytest.mark.parametrize("shape", [(3000,), (6, 512), (5, 200)])
 def test_xla_step_equals_the_formulas(packing, block_size, update_nu, shape):
   seed = _fresh_seed()
   size = math.prod(shape)
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing)
-  key = jax.random.key(seed + 1)
-  step = _step(grad, stored, nu, key, block_size=block_size, packing=packing,
+  rounding_seed = ternary.seed_from_key(jax.random.key(seed + 1))
+  step = _step(grad, stored, nu, rounding_seed, block_size=block_size, packing=packing,
                update_nu=update_nu, implementation="xla")
 
   def decode(t):
@@ -120,16 +123,17 @@ def test_xla_step_equals_the_formulas(packing, block_size, update_nu, shape):
   bound = np.float32(B1) * old_scales + np.float32(1 - B1) * per_block(np.abs(grad), np.max)
   np.testing.assert_array_equal(step.momentum.scales.reshape(-1), bound, err_msg=f"seed={seed}")
   assert np.all(per_block(np.abs(m), np.max) <= bound), f"seed={seed}"
-  # Stochastic rounding with ternary_encode's random bits for this key:
-  # |t| = [u s < |m|], u the top 24 bits of the element's hash over 2**24.
-  bits = ternary.counter_hash_bits(ternary.seed_from_key(key), jnp.arange(size, dtype=jnp.uint32))
+  # Stochastic rounding with ternary_encode's random bits for the key of
+  # this seed: |t| = [u s < |m|], u the top 24 bits of the element's hash
+  # over 2**24.
+  bits = ternary.counter_hash_bits(rounding_seed, jnp.arange(size, dtype=jnp.uint32))
   uniform = (np.asarray(bits) >> 8).astype(np.float32) * np.float32(2.0**-24)
   scale = np.repeat(bound, block_size)[:size]
   expected = np.where(uniform * scale < np.abs(m), np.sign(m), 0.0) * scale
   np.testing.assert_array_equal(decode(step.momentum), expected, err_msg=f"seed={seed}")
 
   g, nu64 = np.asarray(grad, np.float64), np.asarray(nu, np.float64)
-  new_nu = B2 * nu64 + (1 - B2) * g * g if update_nu else nu64
+  new_nu = B2 * nu64 + (1 - B2) * g * g if update_nu else nu64**2
   direction = (np.asarray(m, np.float64).reshape(shape) / (1 - B1**COUNT)) / (
       np.sqrt(new_nu / (1 - B2**COUNT)) + EPS
   )
@@ -151,6 +155,7 @@ _PARITY_CASES = [
     ("2bit", 32, (300,), jnp.float32, True),
     ("base3", 128, (10, 384), jnp.float32, True),
     ("2bit", 64, (4, 512), jnp.float32, False),
+    ("base3", 128, (12, 200), jnp.float32, False),
 ]
 
 
@@ -158,10 +163,10 @@ _PARITY_CASES = [
 def test_interpret_kernel_equals_xla(packing, block_size, shape, dtype, update_nu):
   seed = _fresh_seed()
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing, grad_dtype=dtype)
-  key = jax.random.key(seed + 1)
+  rounding_seed = jnp.uint32(seed + 1)
   options = dict(block_size=block_size, packing=packing, update_nu=update_nu)
-  expected = _step(grad, stored, nu, key, **options, implementation="xla")
-  actual = _step(grad, stored, nu, key, **options, implementation="interpret")
+  expected = _step(grad, stored, nu, rounding_seed, **options, implementation="xla")
+  actual = _step(grad, stored, nu, rounding_seed, **options, implementation="interpret")
   _assert_steps_equal(actual, expected, f"seed={seed}")
 
 
@@ -257,7 +262,7 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
   stored = zero_momentum((40, 50), block_size=64)
   step = ternary_adam_update(
-      grad, stored, jnp.zeros((40, 50)), key=jax.random.key(0), count=1,
+      grad, stored, jnp.zeros((40, 50)), seed=jnp.uint32(0), count=1,
       b1=0.9, b2=0.999, eps=1e-8, block_size=64, implementation="xla",
   )
   assert step.direction.shape == (40, 50) and step.direction.dtype == jnp.bfloat16
@@ -269,7 +274,7 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
 def _good_arguments():
   return dict(
       grad=jnp.ones(100), momentum=zero_momentum((100,), block_size=32),
-      nu=jnp.zeros(100), key=jax.random.key(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
+      nu=jnp.zeros(100), seed=jnp.uint32(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
       block_size=32,
   )
 
@@ -286,7 +291,11 @@ def _good_arguments():
         (dict(momentum=zero_momentum((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
         (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
         (dict(nu=jnp.zeros(101)), "nu"),
-        (dict(key=0), "key"),
+        (dict(nu=None, nu_root=jnp.zeros(101)), "nu_root"),
+        (dict(nu=None), "exactly one of nu"),
+        (dict(nu_root=jnp.zeros(100)), "exactly one of nu"),
+        (dict(seed=0), "seed"),
+        (dict(seed=jnp.zeros(2, jnp.uint32)), "seed"),
         (dict(b1=1.5), "b1"),
         (dict(b2=1.0), "b2"),
         (dict(eps=-1e-8), "eps"),
