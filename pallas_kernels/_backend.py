@@ -119,6 +119,7 @@ def one_leaf_at_a_time(
     *columns: Sequence[Any],
     waiting: Sequence[int],
     awaited: Sequence[int] | None = None,
+    chains: int = 1,
 ) -> list[Any]:
   """``[update_leaf(*args) for args in zip(*columns)]``, on XLA:CPU one leaf after another.
 
@@ -148,6 +149,9 @@ def one_leaf_at_a_time(
       direction) is not read by the zero, so XLA may fuse its computation
       into its one consumer (the parameters' update) instead of writing it
       out; it still waits for the previous leaf through its inputs.
+    chains: leaf ``i`` waits for leaf ``i - chains``, so that many leaves'
+      steps may run side by side (one leaf's single-threaded reductions
+      beside another's loops), at that many leaves' temporaries.
 
   Returns:
     The results of ``update_leaf``, one per leaf.
@@ -156,6 +160,8 @@ def one_leaf_at_a_time(
     raise ValueError(
         f"waiting must hold indices of the {len(columns)} columns; got {tuple(waiting)}."
     )
+  if isinstance(chains, bool) or not isinstance(chains, int) or chains < 1:
+    raise ValueError(f"chains must be an int >= 1; got {chains!r}.")
 
   def awaited_results(result):
     if awaited is None:
@@ -169,8 +175,8 @@ def one_leaf_at_a_time(
   chained = _on_xla_cpu()
   results = []
   for args in zip(*columns):
-    if chained and results:
-      token = _zero_after(awaited_results(results[-1]))
+    if chained and len(results) >= chains:
+      token = _zero_after(awaited_results(results[-chains]))
       args = [
           jax.tree.map(lambda x: _after(x, token), arg) if column in waiting else arg
           for column, arg in enumerate(args)

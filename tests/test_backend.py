@@ -33,9 +33,9 @@ def temporary_bytes(fn, *args) -> int:
 
 
 # The next leaf waits for all results, or for some (the others, for instance
-# the first, left to fuse into their consumers).
-@pytest.mark.parametrize("awaited", [None, (1, 3)])
-def test_values_are_those_of_independent_leaves(awaited):
+# the first, left to fuse into their consumers); in one chain or two.
+@pytest.mark.parametrize("awaited, chains", [(None, 1), ((1, 3), 1), ((1, 3), 2)])
+def test_values_are_those_of_independent_leaves(awaited, chains):
   rng = np.random.default_rng(fresh_seed())
   dtypes = [np.float32, ml_dtypes.bfloat16, np.float16, np.uint8, np.int16, np.int32]
   leaves = [jnp.asarray(special_values(rng, dtype, 37)) for dtype in dtypes]
@@ -48,7 +48,7 @@ def test_values_are_those_of_independent_leaves(awaited):
 
   chained = jax.jit(
       lambda *columns: _backend.one_leaf_at_a_time(
-          update_leaf, *columns, waiting=(0, 1, 2), awaited=awaited
+          update_leaf, *columns, waiting=(0, 1, 2), awaited=awaited, chains=chains
       )
   )(leaves, flags, empty)
   independent = [update_leaf(*args) for args in zip(leaves, flags, empty)]
@@ -61,7 +61,8 @@ def test_values_are_those_of_independent_leaves(awaited):
     )
 
 
-def test_temporaries_are_those_of_one_leaf_at_a_time():
+@pytest.mark.parametrize("chains", [1, 2])
+def test_temporaries_are_those_of_one_leaf_per_chain(chains):
   # Each leaf writes a temporary of its own size; XLA:CPU, scheduling stage by
   # stage, keeps every leaf's alive at once unless the leaves are chained.
   count, size = 8, 1 << 16
@@ -74,10 +75,11 @@ def test_temporaries_are_those_of_one_leaf_at_a_time():
   one_leaf = size * 4
   independent = temporary_bytes(lambda leaves: [update_leaf(x) for x in leaves], leaves)
   chained = temporary_bytes(
-      lambda leaves: _backend.one_leaf_at_a_time(update_leaf, leaves, waiting=(0,)), leaves
+      lambda leaves: _backend.one_leaf_at_a_time(update_leaf, leaves, waiting=(0,), chains=chains),
+      leaves,
   )
   assert independent >= 4 * one_leaf  # What the chaining is for.
-  assert chained <= 2 * one_leaf
+  assert chained <= (chains + 1) * one_leaf
 
 
 def test_results_not_awaited_fuse_into_their_consumers():
@@ -174,6 +176,12 @@ def test_other_backends_get_independent_leaves(monkeypatch):
 def test_waiting_must_name_columns():
   with pytest.raises(ValueError, match="waiting"):
     _backend.one_leaf_at_a_time(jnp.sin, [jnp.ones(3)], waiting=(1,))
+
+
+@pytest.mark.parametrize("chains", [0, 1.0, True])
+def test_chains_must_be_a_positive_int(chains):
+  with pytest.raises(ValueError, match="chains"):
+    _backend.one_leaf_at_a_time(jnp.sin, [jnp.ones(3)], waiting=(0,), chains=chains)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
