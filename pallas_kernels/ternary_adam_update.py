@@ -703,7 +703,7 @@ def _step(
   # One computation of the new scales for both implementations: the kernel
   # reads them rather than finding them itself.
   new_scales = _scale_bound(_to_blocks(grad, stored.shape[:-1], block_size), scales, hyper[_B1])
-  args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed.astype(jnp.uint32), hyper)
+  args = (grad, stored, scales, new_scales, nu.reshape(grad.shape), seed, hyper)
   options = dict(block_size=block_size, layout=layout, update_nu=update_nu)
   if implementation == "xla":
     direction, new_stored, new_nu = _step_reference(*args, **options)
