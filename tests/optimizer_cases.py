@@ -77,4 +77,9 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
     "taco_one_segment": OptimizerCase(
         optax_memopt.taco, dict(learning_rate=1e-2, k=4, segments=1), static_args=("k", "segments")
     ),
+    # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
+    # which do not split over 8 devices.
+    "microadam_default_blocks": OptimizerCase(
+        optax_memopt.microadam, dict(learning_rate=1e-2, window=4), static_args=("window",)
+    ),
 }
