@@ -173,16 +173,16 @@ def one_leaf_at_a_time(
     return [result[index] for index in awaited]
 
   chained = _on_xla_cpu()
-  results = []
+  results, awaited_by_next = [], []
   for args in zip(*columns):
     if chained and len(results) >= chains:
-      token = _zero_after(awaited_results(results[-chains]))
+      token = _zero_after(awaited_by_next[-chains])
       args = [
           jax.tree.map(lambda x: _after(x, token), arg) if column in waiting else arg
           for column, arg in enumerate(args)
       ]
     results.append(update_leaf(*args))
-    awaited_results(results[-1])
+    awaited_by_next.append(awaited_results(results[-1]))
   return results
 
 
