@@ -6,8 +6,9 @@ params donated) for one optimizer, traces ``--steps`` steps with
 (fusions, custom calls such as ``TopK``, copies, scatters) over the runtime's
 worker threads, grouped by operation kind (the instruction's name without its
 number) and output shape, read from the compiled module. Prints the untraced
-step time, the threads' busy time per step, the step's temporary buffer and
-page faults, and the groups that take most.
+step time, the threads' busy time per step, how long the traced step ran two
+or more operations at once, one or none, the step's temporary buffer and page
+faults, and the groups that take most.
 
 An operation's time is what it runs on one thread, so on a multi-core CPU
 the busy time exceeds the step time, and removing an operation saves less
@@ -89,6 +90,30 @@ def operation_times(trace_events, instructions: dict[str, tuple[str, str]]):
   return stages, operations, threads
 
 
+def concurrency(trace_events, instructions: dict[str, tuple[str, str]]) -> dict[int, float]:
+  """Microseconds during which 0, 1 and 2 or more operations ran, keyed 0, 1 and 2.
+
+  Over the span from the first operation's start to the last one's end;
+  only lasting events named after an instruction of the module count. On
+  a CPU whose threads all run operations, the time with one operation (or
+  none) running is capacity the step left unused.
+  """
+  changes = []
+  for event in trace_events:
+    duration = event.get("dur", 0.0)
+    if event.get("ph") != "X" or event.get("name") not in instructions or duration <= 0:
+      continue
+    changes += [(event["ts"], 1), (event["ts"] + duration, -1)]
+  spans = {0: 0.0, 1: 0.0, 2: 0.0}
+  running = 0
+  # At equal times ends come first, so back-to-back operations never overlap.
+  changes.sort()
+  for (time_us, change), (next_time_us, _) in zip(changes, changes[1:]):
+    running += change
+    spans[min(running, 2)] += next_time_us - time_us
+  return spans
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", default="10M", choices=sorted(shapes.MODELS))
@@ -121,7 +146,9 @@ def main(argv=None) -> None:
     trace_file = next(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
     trace = json.loads(gzip.decompress(trace_file.read_bytes()))
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  stages, operations, threads = operation_times(events, describe_instructions(compiled.as_text()))
+  instructions = describe_instructions(compiled.as_text())
+  stages, operations, threads = operation_times(events, instructions)
+  running = concurrency(events, instructions)
   total = sum(stages.values())
   per_step_ms = lambda us: us / 1e3 / args.steps
 
@@ -129,6 +156,9 @@ def main(argv=None) -> None:
         f" {args.model} ({shapes.count(params):,} parameters)")
   print(f"step (untraced, {args.steps} steps in a row): {wall_ms:.1f} ms; operations' busy time per"
         f" step: {per_step_ms(total):.1f} ms over {len(threads)} threads")
+  print(f"traced step: {per_step_ms(sum(running.values())):.1f} ms, of which two or more operations"
+        f" ran {per_step_ms(running[2]):.1f} ms, one {per_step_ms(running[1]):.1f} ms, none"
+        f" {per_step_ms(running[0]):.1f} ms")
   # glibc's malloc gives a temporary buffer above 32 MiB a fresh mapping at
   # every step, whose pages fault in during the operations that write them.
   print(f"temporary buffer: {temp_mb:.1f} MB; minor page faults per untraced step: {faults:,.0f}")

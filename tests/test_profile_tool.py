@@ -1,7 +1,8 @@
-"""benchmarks.profile: instructions attributed to the step's stages, runtime events left out."""
+"""benchmarks.profile: instructions attributed to the step's stages, runtime events left out, concurrency."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from benchmarks import profile
@@ -37,3 +38,22 @@ def test_operation_times_sum_instruction_events_only():
   assert sum(stages.values()) == 3.0 * len(names)
   assert sum(calls for calls, _ in operations.values()) == len(names)
   assert threads == {(1, 0), (1, 1)} if len(names) > 1 else {(1, 0)}
+
+
+def test_concurrency_matches_a_count_per_microsecond():
+  described = profile.describe_instructions(_compiled_step().as_text())
+  names = sorted(described)
+  rng = np.random.default_rng()
+  starts = rng.integers(0, 200, size=12)
+  durations = rng.integers(0, 40, size=12)
+  events = [
+      {"ph": "X", "name": names[i % len(names)], "ts": float(t), "dur": float(d), "pid": 1, "tid": i % 3}
+      for i, (t, d) in enumerate(zip(starts, durations))
+  ]
+  # Runtime events overlapping everything do not count.
+  events.append({"ph": "X", "name": "ThunkExecutor::Execute", "ts": -10.0, "dur": 500.0, "pid": 1, "tid": 0})
+  lasting = durations > 0
+  first, last = starts[lasting].min(), (starts + durations)[lasting].max()
+  running = [int(np.sum((starts <= t) & (t < starts + durations))) for t in range(first, last)]
+  expected = {k: float(sum(min(r, 2) == k for r in running)) for k in (0, 1, 2)}
+  assert profile.concurrency(events, described) == expected
