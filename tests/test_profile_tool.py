@@ -21,9 +21,25 @@ def _compiled_step():
 
 def test_instructions_carry_their_stage_and_shape():
   described = profile.describe_instructions(_compiled_step().as_text())
-  top_k = [(stage, shape) for stage, shape in described.values() if shape.startswith("TopK")]
+  top_k = [(stage, shape) for stage, shape, _ in described.values() if shape.startswith("TopK")]
   assert top_k == [("select_largest", "TopK (f32[8,2], s32[8,2])")]
-  assert all("{" not in shape for _, shape in described.values())
+  assert all("{" not in shape for _, shape, _ in described.values())
+
+
+def test_parts_are_the_product_of_the_outer_dimension_partitions():
+  rng = np.random.default_rng()
+  rows, columns = (int(n) for n in rng.integers(1, 5, size=2))
+  hlo_text = (
+      "  %sine_fusion = f32[64,32]{1,0} fusion(%p), kind=kLoop, calls=%fused,"
+      f' backend_config={{"outer_dimension_partitions":["{rows}","{columns}"]}}\n'
+      "  %single_fusion = f32[64]{0} fusion(%p), kind=kLoop, calls=%fused.1,"
+      ' backend_config={"outer_dimension_partitions":[]}\n'
+      "  ROOT %copy.3 = f32[64]{0} copy(%single_fusion)\n"
+  )
+  described = profile.describe_instructions(hlo_text)
+  assert {name: parts for name, (_, _, parts) in described.items()} == {
+      "sine_fusion": rows * columns, "single_fusion": 1, "copy.3": 1
+  }
 
 
 def test_operation_times_sum_instruction_events_only():
