@@ -325,7 +325,7 @@ def scale_by_ternary_adam(
     bias_correction_1 = 1 - b1_ ** count.astype(jnp.float32)
     bias_correction_2 = 1 - b2_ ** count.astype(jnp.float32)
 
-    def update_leaf(seed, grad, mu, nu):
+    def update_leaf(seed, grad, mu, nu, grad_as_given):
       _check_real(grad)
       if not _is_ternary(grad, min_size):
         g = grad.astype(jnp.float32)
@@ -335,16 +335,20 @@ def scale_by_ternary_adam(
         return direction.astype(grad.dtype), mu, nu
       factored = isinstance(nu, FactoredSecondMoment)
       if factored:
-        g = grad.astype(jnp.float32)
+        # The statistics read the gradient as given, and wait for the
+        # previous leaf through nu (_backend.sum_after): the waiting gradient
+        # would be copied for them first.
+        g = grad_as_given.astype(jnp.float32)
         # Each mean squares the gradient itself: XLA:CPU would otherwise
         # write g**2 out once and read it twice, at twice the cost.
         g_for_columns = lax.optimization_barrier(g)
+        row_mean = _backend.sum_after(jnp.square(g), -1, after=nu) / g.shape[-1]
+        column_mean = _backend.sum_after(jnp.square(g_for_columns), -2, after=nu) / g.shape[-2]
         # mean(g**2) + eps: the mean(g**2 + eps) of the math, without a
         # tensor of eps that XLA:CPU would write out for the reductions.
         nu = FactoredSecondMoment(
-            row=b2_ * nu.row + (1 - b2_) * (jnp.mean(jnp.square(g), axis=-1) + _FACTORED_EPS),
-            col=b2_ * nu.col
-            + (1 - b2_) * (jnp.mean(jnp.square(g_for_columns), axis=-2) + _FACTORED_EPS),
+            row=b2_ * nu.row + (1 - b2_) * (row_mean + _FACTORED_EPS),
+            col=b2_ * nu.col + (1 - b2_) * (column_mean + _FACTORED_EPS),
         )
       step = fused_step.ternary_adam_update(
           grad,
@@ -372,6 +376,7 @@ def scale_by_ternary_adam(
         grads,
         treedef.flatten_up_to(state.mu),
         treedef.flatten_up_to(state.nu),
+        grads,
         waiting=(1, 2, 3),
         # The next leaf waits for the state only: the direction is left for
         # XLA to fuse into its consumer (the parameters' update).

@@ -1,4 +1,4 @@
-"""pallas_kernels._backend.one_leaf_at_a_time and zeros_after: same values, fewer temporaries alive."""
+"""pallas_kernels._backend.one_leaf_at_a_time, zeros_after and sum_after: same values, fewer temporaries alive."""
 
 from __future__ import annotations
 
@@ -166,6 +166,60 @@ def test_zeros_after_wait_for_their_argument():
   assert "bitcast_convert_type" in str(jaxpr)  # Read from `after`, not a constant.
 
 
+@pytest.mark.parametrize("shape, axis", [((6, 33), -1), ((6, 33), 0), ((3, 5, 17), (0, 2))])
+def test_sum_after_is_the_sum(shape, axis):
+  rng = np.random.default_rng(fresh_seed())
+  x = jnp.asarray(special_values(rng, np.float32, int(np.prod(shape))).reshape(shape))
+  after = jnp.asarray(special_values(rng, np.float32, 4))
+  got = jax.jit(lambda x, after: _backend.sum_after(x, axis, after=after))(x, after)
+  want = jax.jit(lambda x: jnp.sum(x, axis=axis))(x)
+  chex.assert_shape(got, want.shape)
+  chex.assert_type(got, jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # NaN where the sum has one.
+
+
+def test_sum_after_waits_for_its_argument():
+  jaxpr = jax.make_jaxpr(lambda x, after: _backend.sum_after(x, -1, after=after))(
+      jnp.ones((4, 3)), jnp.ones((2,))
+  )
+  assert "bitcast_convert_type" in str(jaxpr)  # The starting zero is read from `after`.
+
+
+def test_sums_after_read_their_argument_as_given():
+  # Two reductions and a loop read each leaf's argument: offset by the zero
+  # that makes it wait, XLA:CPU writes a copy of it out for the reductions
+  # (one leaf's worth of temporary memory); read as given, with the
+  # reductions waiting through their starting zero, it copies nothing.
+  count, shape = 8, (256, 256)
+  xs = [jnp.full(shape, 1.0 + i) for i in range(count)]
+  states = [jnp.full(shape[:1], 2.0 + i) for i in range(count)]
+
+  def update_leaf(x, state, x_as_given, reads_as_given):
+    read = x_as_given if reads_as_given else x
+    # Each reduction squares the argument itself (as ternary Adam's statistics do).
+    read_again = jax.lax.optimization_barrier(read)
+    if reads_as_given:
+      rows = _backend.sum_after(jnp.square(read), -1, after=state)
+      columns = _backend.sum_after(jnp.square(read_again), -2, after=state)
+    else:
+      rows = jnp.sum(jnp.square(read), axis=-1)
+      columns = jnp.sum(jnp.square(read_again), axis=-2)
+    return x * rows[:, None] * columns, 0.9 * state + rows
+
+  def step(xs, states, reads_as_given):
+    return _backend.one_leaf_at_a_time(
+        lambda *args: update_leaf(*args, reads_as_given), xs, states, xs, waiting=(0, 1), awaited=(1,)
+    )
+
+  one_leaf = 4 * np.prod(shape)
+  assert temporary_bytes(lambda *args: step(*args, False), xs, states) >= one_leaf
+  assert temporary_bytes(lambda *args: step(*args, True), xs, states) <= one_leaf // 64
+  as_given = jax.jit(lambda *args: step(*args, True))(xs, states)
+  offset = jax.jit(lambda *args: step(*args, False))(xs, states)
+  for got, want in zip(jax.tree.leaves(as_given), jax.tree.leaves(offset)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_other_backends_get_independent_leaves(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   leaves = [jnp.ones((4,)), jnp.ones((3,))]
@@ -176,6 +230,8 @@ def test_other_backends_get_independent_leaves(monkeypatch):
   assert str(chained) == str(independent)
   zeros = jax.make_jaxpr(lambda x: _backend.zeros_after((4,), jnp.float32, x))(leaves[0])
   assert str(zeros) == str(jax.make_jaxpr(lambda x: jnp.zeros((4,), jnp.float32))(leaves[0]))
+  total = jax.make_jaxpr(lambda x: _backend.sum_after(x, 0, after=x))(leaves[0])
+  assert str(total) == str(jax.make_jaxpr(lambda x: jnp.sum(x, axis=0))(leaves[0]))
 
 
 def test_waiting_must_name_columns():
