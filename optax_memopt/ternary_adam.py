@@ -376,7 +376,7 @@ def scale_by_ternary_adam(
         grads,
         treedef.flatten_up_to(state.mu),
         treedef.flatten_up_to(state.nu),
-        grads,
+        grads,  # As given, not waiting: for the statistics.
         waiting=(1, 2, 3),
         # The next leaf waits for the state only: the direction is left for
         # XLA to fuse into its consumer (the parameters' update).
