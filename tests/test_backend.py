@@ -123,8 +123,8 @@ def test_results_not_awaited_fuse_into_their_consumers():
 
 
 # At 40M parameters the chaining took ternary Adam's temporary buffer from
-# 55.6 to 7.8 MB (JAX 0.10; 48.6 to 19.0 MB on JAX 0.12; 10.7 and 24.6 MB
-# with its two chains), and MicroAdam's, with zeros_after for its window's
+# 55.6 to 7.8 MB (JAX 0.10; 48.6 to 19.0 MB on JAX 0.12; 6.4 and 18.1 MB
+# now, with its two chains), and MicroAdam's, with zeros_after for its window's
 # scatter target, from 94.8 to 14.0 MB at 10M: under glibc's 32 MiB
 # threshold for fresh pages at every call. Here, sixteen leaves alike:
 # ternary Adam's 4.5x less on JAX 0.10 and 2.1x on JAX 0.12, MicroAdam's
