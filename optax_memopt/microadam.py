@@ -25,6 +25,7 @@ import optax
 from optax_memopt import hyperparameters, sharding
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import microadam_update as update_kernel
 from pallas_kernels import quantize as quantize_kernel
 from pallas_kernels import topk
@@ -66,7 +67,7 @@ def _check_hyperparameters(
   hyperparameters.check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
   quantize_kernel.num_buckets(0, bucket_size)
-  _backend.resolve_implementation(implementation)
+  dispatch.check(implementation)
   if implementation in ("pallas", "interpret"):
     # The update kernel's limits include the top-k kernel's (whole rows of 256).
     reason = update_kernel.kernel_unsupported_reason(block_size)
@@ -83,7 +84,7 @@ def scale_by_microadam(
     density: float = 0.01,
     block_size: int = 16384,
     bucket_size: int = 1024,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Rescale updates by MicroAdam's window of sparse gradients.
 
@@ -283,7 +284,7 @@ def microadam(
     density: float = 0.01,
     block_size: int = 16384,
     bucket_size: int = 1024,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """MicroAdam with decoupled weight decay (AdamW style).
 

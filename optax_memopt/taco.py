@@ -81,7 +81,7 @@ import optax
 
 from optax_memopt import hyperparameters, sharding
 
-from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels.column_select import column_select
 
 TACO_LABEL = "taco"
@@ -252,7 +252,7 @@ def scale_by_taco(
     *,
     segments: int | None = None,
     matrix_axes: MatrixAxesSpec = MatrixAxes(),
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   r"""TACO's direction: per input feature, the sign of its largest output entry.
 
@@ -326,7 +326,7 @@ def scale_by_taco(
   if k % segments:
     raise ValueError(f"segments must divide k={k}; got {segments}.")
   hyperparameters.check_decay_rate("beta", beta)
-  _backend.resolve_implementation(implementation)  # Validates eagerly.
+  dispatch.check(implementation)  # Validates eagerly.
 
   def layout(path, leaf):
     batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, leaf), path, leaf)
@@ -476,7 +476,7 @@ def taco(
     segments: int | None = None,
     matrix_axes: MatrixAxesSpec = MatrixAxes(),
     embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   r"""TACO on matrices, a fallback elsewhere, weight decay and learning rate.
 

@@ -113,6 +113,7 @@ import optax
 from optax_memopt import hyperparameters, sharding
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import ternary_adam_update as fused_step
 
@@ -224,7 +225,7 @@ def scale_by_ternary_adam(
     min_size: int = 4096,
     packing: str = "base3",
     key: int | jax.Array = 0,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Rescales updates like Adam, with a ternary first moment and factored second.
 
@@ -292,7 +293,7 @@ def scale_by_ternary_adam(
   _check_hyperparameters(b1, b2, eps, block_size, min_size, packing)
   initial_key = _typed_key(key)
   key_impl = jax.random.key_impl(initial_key)
-  _backend.resolve_implementation(implementation)  # Validates it eagerly.
+  dispatch.check(implementation)  # Validates it eagerly.
 
   def init_fn(params):
     def init_mu(param):
@@ -413,7 +414,7 @@ def ternary_adam(
     min_size: int = 4096,
     packing: str = "base3",
     key: int | jax.Array = 0,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Ternary-state AdamW: ``scale_by_ternary_adam``, decoupled weight decay, learning rate.
 

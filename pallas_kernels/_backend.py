@@ -1,51 +1,15 @@
-"""How an op picks its implementation, how Mosaic GPU kernels are built,
-interpreted and lowered the same way on every supported JAX version, and how
-the XLA paths steer XLA:CPU's fusion and scheduling without changing values."""
+"""How Mosaic GPU kernels are built, interpreted and lowered the same way on
+every supported JAX version, and how the XLA paths steer XLA:CPU's fusion and
+scheduling without changing values."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Literal, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-Implementation = Literal["xla", "pallas", "interpret"] | None
-IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
-
-# Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.
-_MIN_MOSAIC_COMPUTE_CAPABILITY = 9.0
-
-
-def _default_device_runs_mosaic_gpu() -> bool:
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return False
-  capability = getattr(device, "compute_capability", None)
-  try:
-    return float(capability) >= _MIN_MOSAIC_COMPUTE_CAPABILITY
-  except (TypeError, ValueError):
-    return False
-
-
-def resolve_implementation(implementation: Implementation, *, kernel_is_faster: bool = True) -> str:
-  """Validates ``implementation`` and turns ``None`` into a concrete choice.
-
-  ``None`` picks the Pallas kernel on a Hopper-or-newer GPU and XLA elsewhere,
-  unless the op says its kernel is not yet faster than XLA's code on a GPU
-  (``kernel_is_faster=False``, from the timings in ``benchmarks/README.md``):
-  then XLA everywhere. A named implementation is honoured as is: ``"pallas"``
-  on a machine that cannot run it fails loudly rather than falling back.
-  """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        "implementation must be one of None, 'xla', 'pallas' or 'interpret';"
-        f" got {implementation!r}."
-    )
-  if implementation is None:
-    return "pallas" if kernel_is_faster and _default_device_runs_mosaic_gpu() else "xla"
-  return implementation
 
 
 def written_out(x: jax.Array) -> jax.Array:

@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels.topk import as_python_int, magnitude_key
 
 # Threads of a Mosaic GPU warpgroup: a segment is a whole multiple of them.
@@ -301,7 +302,7 @@ def column_select(
     tracked_offset: jax.Array | None = None,
     *,
     keep: int = 1,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
     segment_width: int | None = None,
 ) -> ColumnSelection:
   """Each row's ``keep`` largest entries of ``|grads + tracked offsets|``.
@@ -400,7 +401,7 @@ def column_select(
           f" got {segment_width}."
       )
 
-  resolved = _backend.resolve_implementation(implementation)
+  resolved = dispatch.resolve("column_select", implementation)
   if resolved != "xla":
     segment_width = segment_width or default_segment_width(width, keep)
     unsupported = None

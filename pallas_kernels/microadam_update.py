@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import topk
 
 KERNEL_ROW = 256
@@ -305,7 +306,7 @@ def microadam_update(
     size: int,
     k: int,
     block_size: int,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
 
@@ -369,7 +370,7 @@ def microadam_update(
     )
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  resolved = _backend.resolve_implementation(implementation, kernel_is_faster=False)
+  resolved = dispatch.resolve("microadam_update", implementation)
   unsupported = kernel_unsupported_reason(block_size)
   if resolved != "xla" and unsupported is not None:
     if implementation is not None:

@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, packing
+from pallas_kernels import _backend, dispatch, packing
 
 SUPPORTED_BITS = (4, 8)
 # Elements per kernel row: two planes of ``packing.PLANE_WIDTH``, which is one
@@ -531,7 +531,7 @@ def quantize(
     bits: int = 4,
     bucket_size: int,
     stats_dtype: Any = jnp.float32,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> QuantizedArray:
   r"""Quantizes ``x`` (flattened) to ``bits``-bit codes per bucket of ``bucket_size``.
 
@@ -581,7 +581,7 @@ def quantize(
   _check_bucket_size(bucket_size)
   _check_dtype("x", x.dtype, _INPUT_DTYPES)
   stats_dtype = _check_dtype("stats_dtype", stats_dtype, _STATS_DTYPES)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("quantize", implementation)
   if x.size == 0:
     return QuantizedArray(
         jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)
@@ -627,14 +627,14 @@ def _dequantize_flat(
     bits: int,
     bucket_size: int,
     dtype: np.dtype,
-    implementation: _backend.Implementation,
+    implementation: dispatch.Implementation,
 ) -> jax.Array:
   """``y + decoded`` (or ``decoded``) as a flat ``dtype`` array, float32 math."""
   _check_bits(bits)
   _check_size(size)
   _check_bucket_size(bucket_size)
   _check_quantized(q, size, bits, bucket_size)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("quantize", implementation)
   if size == 0:
     return jnp.zeros((0,), dtype)
   if implementation == "xla":
@@ -660,7 +660,7 @@ def dequantize(
     bits: int = 4,
     bucket_size: int,
     dtype: Any = jnp.float32,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   r"""Decodes ``q`` into a flat array of ``size`` elements.
 
@@ -706,7 +706,7 @@ def dequantize_add(
     *,
     bits: int = 4,
     bucket_size: int,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """``y + dequantize(q)``, fused: one pass reads codes and ``y``, writes the sum.
 

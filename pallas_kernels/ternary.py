@@ -88,6 +88,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import packing
 
 PACKINGS = ("base3", "2bit")
@@ -640,7 +641,7 @@ def ternary_encode(
     block_size: int,
     key: jax.Array | None = None,
     packing: str = "base3",
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> TernaryArray:
   """Quantizes ``x`` to blockwise-scaled trits and packs them, in one pass.
 
@@ -681,7 +682,7 @@ def ternary_encode(
   check_block_size(block_size)
   layout = packing_layout(packing)
   _check_key(key)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("ternary", implementation)
   packed, scales = _encode(
       x, key, block_size=block_size, layout=layout, implementation=implementation
   )
@@ -713,7 +714,7 @@ def ternary_decode(
     block_size: int,
     packing: str = "base3",
     dtype: Any = jnp.float32,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """Unpacks ``t`` and scales each trit by its block's scale: ``t_i s_b``.
 
@@ -740,7 +741,7 @@ def ternary_decode(
   layout = packing_layout(packing)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a floating dtype; got {dtype!r}.")
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("ternary", implementation)
   packed, scales = (jnp.asarray(a) for a in t)
   check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
   return _decode(
@@ -759,7 +760,7 @@ def ternary_round(
     *,
     block_size: int,
     key: jax.Array | None = None,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
   """``ternary_encode`` without packing: one int8 trit per element.
 
@@ -784,7 +785,7 @@ def ternary_round(
   x = _float_input(x, "x")
   check_block_size(block_size)
   _check_key(key)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("ternary", implementation)
   return _encode(
       x, key, block_size=block_size, layout=_UNPACKED, implementation=implementation
   )
@@ -800,7 +801,7 @@ def pack_trits(
     trits: jax.typing.ArrayLike,
     *,
     packing: str = "base3",
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """Packs trits in ``{-1, 0, 1}`` (codes ``t + 1``) into the planar layout.
 
@@ -832,7 +833,7 @@ def pack_trits(
   ):
     raise ValueError(f"trits must have an integer or floating dtype; got {trits.dtype}.")
   layout = packing_layout(packing)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("ternary", implementation)
   if trits.dtype != jnp.int8:
     trits = trits.astype(jnp.float32)
   packed, _ = _encode(
@@ -850,7 +851,7 @@ def unpack_trits(
     *,
     size: int,
     packing: str = "base3",
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """Inverse of ``pack_trits``: ``size`` int8 trits in ``{-1, 0, 1}``.
 
@@ -875,7 +876,7 @@ def unpack_trits(
   """
   _check_size(size)
   layout = packing_layout(packing)
-  implementation = _backend.resolve_implementation(implementation)
+  implementation = dispatch.resolve("ternary", implementation)
   packed = jnp.asarray(packed)
   check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
   block_size = _row_block_size(layout)

@@ -73,8 +73,7 @@ Implementations (``implementation=``):
   are written in place, so the result equals ``"xla"`` bit for bit.
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
 * ``None``: ``"xla"`` everywhere, as long as the kernel with its layout
-  conversions is slower (``_backend.resolve_implementation``'s
-  ``kernel_is_faster``).
+  conversions is slower (``dispatch.FASTER_ON_HOPPER``).
 
 Block sizes and packings are those of :mod:`pallas_kernels.ternary`:
 ``block_size`` 32, 64 or a multiple of 128, ``packing`` ``"base3"`` or
@@ -94,6 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import packing as planar
 from pallas_kernels import ternary
 
@@ -735,7 +735,7 @@ def ternary_adam_update(
     eps: jax.typing.ArrayLike,
     block_size: int,
     packing: str = "base3",
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> TernaryAdamStep:
   """One Adam step of a tensor whose first moment is stored as trits.
 
@@ -837,7 +837,7 @@ def ternary_adam_update(
   _check_rate("b2", b2)
   if isinstance(eps, (int, float)) and not eps >= 0:
     raise ValueError(f"eps must be >= 0; got {eps}.")
-  implementation = _backend.resolve_implementation(implementation, kernel_is_faster=False)
+  implementation = dispatch.resolve("ternary_adam_update", implementation)
   return _step(
       grad, stored, scales, second_moment, seed, count, b1, b2, eps,
       block_size=block_size, layout=layout, update_nu=nu is not None,

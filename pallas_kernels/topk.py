@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import _backend
+from pallas_kernels import dispatch
 
 KERNEL_ROW = 256
 # Block-local indices are stored as int16 up to this block size, int32 above.
@@ -326,7 +327,7 @@ def block_topk(
     *,
     k: int,
     block_size: int,
-    implementation: _backend.Implementation = None,
+    implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The ``k`` entries of largest magnitude in every block of ``block_size``.
 
@@ -378,7 +379,7 @@ def block_topk(
   """
   k, block_size = _check_block_params(k, block_size)
   x = _float_array(x)
-  resolved = _backend.resolve_implementation(implementation, kernel_is_faster=False)
+  resolved = dispatch.resolve("block_topk", implementation)
   unsupported = _kernel_unsupported_reason(x, block_size)
   if resolved != "xla" and unsupported is not None:
     if implementation is not None:
