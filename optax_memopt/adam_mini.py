@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, sharding
+from optax_memopt.leaves import path_name
 
 # The reference's name fragments (adam-mini 1.1.1), matched by substring in the
 # lowercased parameter name, first rule that matches wins.
@@ -342,29 +343,6 @@ def _stacked_names(stacked_modules: str | Sequence[str]) -> frozenset[str]:
         f" e.g. 'layers'; got {stacked_modules!r}."
     )
   return frozenset(names)
-
-
-def _key_name(key: Any) -> str:
-  for attribute in ("key", "name", "idx"):
-    if hasattr(key, attribute):
-      return str(getattr(key, attribute))
-  return str(key)
-
-
-def path_name(path: Sequence[Any]) -> str:
-  """A jax key path as ``a/b/c``, without the ``value`` of ``nnx.Variable``.
-
-  Examples:
-    >>> import jax
-    >>> from optax_memopt.adam_mini import path_name
-    >>> (key_path, _), = jax.tree_util.tree_flatten_with_path({"layers": [{"w": 1}]})[0]
-    >>> path_name(key_path)
-    'layers/0/w'
-  """
-  names = [_key_name(key) for key in path]
-  if names and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
-    names = names[:-1]
-  return "/".join(names)
 
 
 class PartitionRow(NamedTuple):

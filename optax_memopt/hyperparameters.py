@@ -4,13 +4,26 @@ They run when a transformation is built, so a bad value fails with a message
 naming the parameter instead of deep inside ``jit``. Float hyper-parameters
 may be arrays or tracers under ``optax.inject_hyperparams``: only plain
 numbers are checked; a schedule (a callable) is checked by its user.
+Shape-fixing hyper-parameters (``check_int``, ``check_fraction``) must be
+plain Python values; traced ones raise an error that says to list them in
+``inject_hyperparams``' ``static_args``.
 """
 
 from __future__ import annotations
 
 import numbers
-import operator
 from typing import Any
+
+from pallas_kernels.static_args import check_fraction, check_int, check_static
+
+__all__ = [
+    "check_decay_rate",
+    "check_fraction",
+    "check_int",
+    "check_learning_rate",
+    "check_non_negative",
+    "check_static",
+]
 
 
 def _is_number(value: Any) -> bool:
@@ -33,17 +46,3 @@ def check_learning_rate(learning_rate: Any) -> None:
   """A constant learning rate must be ``>= 0``; the alias negates the step itself."""
   if not callable(learning_rate):
     check_non_negative("learning_rate", learning_rate)
-
-
-def check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
-  """An integer that fixes state shapes, in ``[low, high]``; returns it as an ``int``."""
-  allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
-  if isinstance(value, bool):
-    raise ValueError(f"{name} must be an int {allowed}{hint}; got {value!r}.")
-  try:
-    value = operator.index(value)
-  except TypeError:
-    raise ValueError(f"{name} must be an int {allowed}{hint}; got {value!r}.") from None
-  if value < low or (high is not None and value > high):
-    raise ValueError(f"{name} must be an int {allowed}{hint}; got {value}.")
-  return value

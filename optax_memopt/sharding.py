@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from optax_memopt import leaves
+
 
 def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
   """Shards a leaf over as many devices as its shape allows, without padding.
@@ -40,17 +42,6 @@ def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
   return PartitionSpec(*(tuple(a) if len(a) > 1 else (a[0] if a else None) for a in assigned))
 
 
-def _key_name(key: Any) -> Any:
-  for attribute in ("key", "name", "idx"):
-    if hasattr(key, attribute):
-      return getattr(key, attribute)
-  return str(key)
-
-
-def _keys(path: Sequence[Any]) -> tuple:
-  return tuple(_key_name(k) for k in path)
-
-
 def _last_match(path: tuple, part: tuple) -> int:
   """Where ``part`` last occurs in ``path`` after its first key, or -1.
 
@@ -70,12 +61,12 @@ def owners(state: Any, params: Any) -> Any:
   PRNG keys belong to none.
   """
   param_paths = [
-      (_keys(path), index)
+      (leaves.key_names(path), index)
       for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
   ]
 
   def owner(path, _):
-    keys = _keys(path)
+    keys = leaves.key_names(path)
     matches = [
         (len(param_path), _last_match(keys, param_path), index)
         for param_path, index in param_paths
