@@ -1,0 +1,335 @@
+"""Will my model fit? Bytes of parameters, gradients and optimizer state, per device.
+
+For every optimizer of :data:`optax_memopt.training.optimizers.OPTIMIZERS`
+the state is built with ``jax.eval_shape(tx.init, params)``: shapes only,
+nothing is allocated, so Llama-2-13B is measured on a laptop in seconds. It
+is added to the parameters and to one set of gradients in the parameters'
+dtype. Sharded over ``N`` devices, each parameter is cut FSDP-style along a
+dimension that ``N`` divides (:func:`optax_memopt.sharding.split_spec`;
+replicated where none does), the gradients alike, and the state is laid out
+by :func:`optax_memopt.state_shardings`; the figures are then one device's.
+Activations, gradient-accumulation buffers and the framework's own memory
+come on top: the "headroom" column is what is left for them.
+
+    python -m optax_memopt.fit --model llama2_7b --memory 80GiB --param-dtype bfloat16 --devices 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+import types
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+from optax_memopt import leaves
+from optax_memopt.sharding import split_spec, state_shardings
+from optax_memopt.state_bytes import state_nbytes
+from optax_memopt.training import model, optimizers
+
+# Llama-style decoders in this library's Flax layout (``training.model``):
+# untied input embedding and output head, no biases, RMSNorm scales.
+MODELS: dict[str, model.TransformerConfig] = {
+    # Touvron et al., "Llama 2", arXiv 2307.09288; the published Hugging Face configs.
+    "llama2_7b": model.TransformerConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
+    ),
+    "llama2_13b": model.TransformerConfig(
+        vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, max_len=4096
+    ),
+    # The main job's model sizes (``python -m optax_memopt --model-size``).
+    "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
+    "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
+}
+
+_DECIMAL_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_BINARY_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """A device's memory in bytes, and whether it was given in decimal (GB) or binary (GiB) units."""
+
+  nbytes: int
+  binary: bool = True
+
+  def format(self, nbytes: int) -> str:
+    """``nbytes`` in this memory's units, the largest that keeps the number at least 1."""
+    base, names = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if self.binary else (1000, ("B", "KB", "MB", "GB", "TB"))
+    power = 0
+    while power < len(names) - 1 and abs(nbytes) >= base ** (power + 1):
+      power += 1
+    return f"{nbytes / base**power:.2f} {names[power]}"
+
+
+def parse_memory(text: str | int | Memory) -> Memory:
+  """``"80GB"`` (decimal, 80e9 bytes), ``"80GiB"`` (binary), or a number of bytes.
+
+  Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of
+  1024), case-insensitive. A card sold as "80GB" (H100) holds 80 GiB.
+  """
+  if isinstance(text, Memory):
+    return text
+  if isinstance(text, int) and not isinstance(text, bool):
+    if text < 1:
+      raise ValueError(f"memory must be a positive number of bytes; got {text}.")
+    return Memory(text)
+  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+  unit = match.group(2).upper() if match else ""
+  if not match or (unit and unit not in _DECIMAL_UNITS and unit not in _BINARY_UNITS):
+    raise ValueError(
+        f"memory must be a size such as 80GB, 80GiB or 512MiB, or a number of bytes (units B, KB, MB, GB, TB,"
+        f" KiB, MiB, GiB, TiB); got {text!r}."
+    )
+  nbytes = int(float(match.group(1)) * (_BINARY_UNITS.get(unit) or _DECIMAL_UNITS.get(unit or "B")))
+  if nbytes < 1:
+    raise ValueError(f"memory must be positive; got {text!r}.")
+  return Memory(nbytes, binary=unit in _BINARY_UNITS)
+
+
+def model_params(name: str, param_dtype: Any = jnp.float32) -> Any:
+  """The parameters of ``MODELS[name]`` as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+  if name not in MODELS:
+    raise ValueError(f"model must be one of {sorted(MODELS)}; got {name!r}.")
+  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(MODELS[name], rngs=nnx.Rngs(0)))[1])
+  return _abstract(jax.eval_shape(build), param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One optimizer's bytes on one device; ``error`` says why it could not be built."""
+
+  optimizer: str
+  param_bytes: int
+  gradient_bytes: int
+  state_bytes: int  # On one device.
+  state_bytes_per_param: float  # The whole state over the number of parameters.
+  error: str | None = None
+
+  @property
+  def total_bytes(self) -> int:
+    return self.param_bytes + self.gradient_bytes + self.state_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+  """Per-device bytes of every optimizer; ``str()`` is a markdown table."""
+
+  rows: tuple[Row, ...]
+  n_params: int
+  devices: int
+  memory: Memory | None
+  title: str
+
+  def fits(self, optimizer: str) -> bool:
+    row = self.row(optimizer)
+    if self.memory is None or row.error:
+      raise ValueError(f"no fit for {optimizer!r}: " + (row.error or "no memory was given."))
+    return row.total_bytes <= self.memory.nbytes
+
+  def row(self, optimizer: str) -> Row:
+    for row in self.rows:
+      if row.optimizer == optimizer:
+        return row
+    raise ValueError(f"optimizer must be one of {[r.optimizer for r in self.rows]}; got {optimizer!r}.")
+
+  def __str__(self) -> str:
+    size = (self.memory or Memory(0)).format
+    where = f"per device, sharded over {self.devices} devices" if self.devices > 1 else "one device"
+    lines = [f"{self.title}: {self.n_params:,} parameters; {where}"
+             + (f", {size(self.memory.nbytes)} each" if self.memory else "")]
+    header = ["optimizer", "state B/param", "parameters", "gradients", "optimizer state", "total"]
+    if self.memory:
+      header += ["headroom", "fits"]
+    lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for row in self.rows:
+      if row.error:
+        lines.append(f"| {row.optimizer} | cannot be built: {row.error} |" + " |" * (len(header) - 2))
+        continue
+      cells = [row.optimizer, f"{row.state_bytes_per_param:.3f}", size(row.param_bytes),
+               size(row.gradient_bytes), size(row.state_bytes), size(row.total_bytes)]
+      if self.memory:
+        cells += [size(self.memory.nbytes - row.total_bytes), "yes" if self.fits(row.optimizer) else "no"]
+      lines.append("| " + " | ".join(cells) + " |")
+    lines.append("Activations, gradient accumulation and the framework's own memory come on top of the total.")
+    return "\n".join(lines)
+
+
+def _abstract(params: Any, param_dtype: Any) -> Any:
+  """``params`` as ``ShapeDtypeStruct`` leaves, floating ones cast to ``param_dtype`` if given."""
+
+  def convert(path, leaf):
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise ValueError(
+          f"params must be arrays or jax.ShapeDtypeStruct (for example from jax.eval_shape); leaf"
+          f" {leaves.path_name(path)!r} is a {type(leaf).__name__}."
+      )
+    dtype = leaf.dtype
+    if param_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+      dtype = param_dtype
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype)
+
+  return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def _shard_nbytes(leaf: Any, sharding: NamedSharding) -> int:
+  """Bytes of the largest shard of ``leaf`` (uneven splits round up, as XLA pads them)."""
+  spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+  shard = 1
+  for dim, entry in zip(leaf.shape, spec):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    shard *= -(-dim // math.prod(sharding.mesh.shape[name] for name in names))
+  return shard * jnp.dtype(leaf.dtype).itemsize
+
+
+def _per_device_nbytes(tree: Any, shardings: Any) -> int:
+  tree_leaves = jax.tree.leaves(tree)
+  sharding_leaves = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  assert len(tree_leaves) == len(sharding_leaves), (len(tree_leaves), len(sharding_leaves))
+  return sum(_shard_nbytes(leaf, sharding) for leaf, sharding in zip(tree_leaves, sharding_leaves))
+
+
+def report(
+    params: Any,
+    *,
+    memory: str | int | Memory | None = None,
+    devices: int = 1,
+    param_dtype: Any = None,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    optimizer_names: Sequence[str] | None = None,
+    title: str = "parameters",
+) -> FitReport:
+  """Per-device bytes of parameters, gradients and state for every optimizer, and whether they fit.
+
+  Nothing is allocated: the states are ``jax.eval_shape(tx.init, params)``
+  and measured by :func:`optax_memopt.state_nbytes`'s rule. Gradients are
+  counted once, in the parameters' dtype.
+
+  Args:
+    params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` (a
+      ``jax.eval_shape`` of the model's initialisation, so that a model too
+      large for this machine is never built). Flax layouts (``(in, out)``
+      kernels) give Adam-mini and TACO their intended routing.
+    memory: one device's memory, ``"80GB"``, ``"80GiB"`` or bytes; ``None``
+      (default) prints the bytes without a verdict.
+    devices: devices the model is sharded over (default 1). Each parameter
+      and its gradient are cut along a dimension ``devices`` divides
+      (replicated where none does), the state laid out after them by
+      :func:`optax_memopt.state_shardings`.
+    param_dtype: dtype of the floating-point parameters (and gradients), for
+      example ``"bfloat16"``; ``None`` (default) keeps the given dtypes.
+      Optimizers such as ``optax.adamw`` keep their moments in this dtype.
+    n_heads, n_kv_heads: query and key/value heads, which Adam-mini needs to
+      cut fused query and key kernels into heads (default ``None``: no fused
+      kernels to cut).
+    optimizer_names: entries of ``optimizers.OPTIMIZERS`` to report (default:
+      all of them, in that table's order).
+    title: the first line of the printed table.
+
+  Returns:
+    A :class:`FitReport`; ``print`` it for the table, or read ``rows`` and
+    ``fits(name)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_memopt import fit
+    >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    >>> result = fit.report(params, memory="200MB", optimizer_names=["adamw", "microadam"])
+    >>> result.row("adamw").state_bytes  # m and v in float32, plus the step count
+    134217732
+    >>> result.fits("adamw"), result.fits("microadam")
+    (False, True)
+  """
+  names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
+  for name in names:
+    optimizers.get(name)
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
+  if param_dtype is not None:
+    param_dtype = jnp.dtype(param_dtype)
+    if not jnp.issubdtype(param_dtype, jnp.floating):
+      raise ValueError(f"param_dtype must be a floating-point dtype; got {param_dtype.name}.")
+  device_memory = None if memory is None else parse_memory(memory)
+  shapes = _abstract(params, param_dtype)
+  n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+  if n_params == 0:
+    raise ValueError("params holds no parameters.")
+  config = types.SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
+
+  mesh = param_shardings = None
+  param_bytes = state_nbytes(shapes)
+  if devices > 1:
+    mesh = AbstractMesh((devices,), ("fsdp",))
+    param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, split_spec(p.shape, mesh)), shapes)
+    param_bytes = _per_device_nbytes(shapes, param_shardings)
+
+  rows = []
+  for name in names:
+    try:
+      state = jax.eval_shape(optimizers.get(name).build(1e-3, config).init, shapes)
+    except ValueError as error:
+      rows.append(Row(name, param_bytes, param_bytes, 0, 0.0, error=str(error)))
+      continue
+    total_state = state_nbytes(state)
+    state_bytes = total_state
+    if mesh is not None:
+      state_bytes = _per_device_nbytes(state, state_shardings(state, shapes, param_shardings, mesh))
+    rows.append(Row(name, param_bytes, param_bytes, state_bytes, total_state / n_params))
+  return FitReport(tuple(rows), n_params, devices, device_memory, title)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(
+      prog="python -m optax_memopt.fit",
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--model", default="llama2_7b", help=f"one of {', '.join(MODELS)}")
+  parser.add_argument("--memory", default=None,
+                      help="one device's memory, e.g. 80GB (decimal) or 80GiB (binary); none: bytes only")
+  parser.add_argument("--param-dtype", default="float32", help="dtype of parameters and gradients, e.g. bfloat16")
+  parser.add_argument("--devices", type=int, default=1, help="devices the model is sharded over (FSDP)")
+  parser.add_argument("--optimizers", nargs="+", default=None, metavar="OPTIMIZER",
+                      help=f"a subset of {', '.join(optimizers.OPTIMIZERS)} (default: all)")
+  args = parser.parse_args(argv)
+
+  if args.model not in MODELS:
+    parser.error(f"--model: unknown model {args.model!r}; choose from {', '.join(MODELS)}")
+  memory = None
+  if args.memory is not None:
+    try:
+      memory = parse_memory(args.memory)
+    except ValueError as error:
+      parser.error(f"--memory: {error}")
+  try:
+    param_dtype = jnp.dtype(args.param_dtype)
+  except TypeError:
+    param_dtype = None
+  if param_dtype is None or not jnp.issubdtype(param_dtype, jnp.floating):
+    parser.error(f"--param-dtype: must be a floating-point dtype such as float32 or bfloat16; got {args.param_dtype!r}")
+  if args.devices < 1:
+    parser.error(f"--devices: must be >= 1; got {args.devices}")
+  for name in args.optimizers or ():
+    if name not in optimizers.OPTIMIZERS:
+      parser.error(f"--optimizers: unknown optimizer {name!r}; choose from {', '.join(optimizers.OPTIMIZERS)}")
+
+  config = MODELS[args.model]
+  result = report(
+      model_params(args.model, param_dtype), memory=memory, devices=args.devices,
+      n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, optimizer_names=args.optimizers,
+      title=f"{args.model} ({param_dtype.name})",
+  )
+  print(result)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
