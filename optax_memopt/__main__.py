@@ -29,12 +29,13 @@ MODEL_SIZES = {
 }
 DEFAULT_OPTIMIZER = "microadam"
 
-# Wall-clock times of the defaults (small model, 4000 steps of 16x64 bytes) on
-# 2 CPU cores, rounded: they tell a user what to expect, not a benchmark.
+# Wall-clock times of the defaults on 2 CPU cores, rounded: 4000 steps at the
+# 14-21 ms per step that `python -m benchmarks.convergence` measures for each
+# optimizer on this model and batch (benchmarks/README.md), plus compiling.
 DEFAULT_RUN_TIME = (
-    "On 2 CPU cores the defaults take about 4 minutes for one run of MicroAdam (the\n"
-    "default, and the slowest per step), about 1 minute for AdamW, and about 11\n"
-    "minutes for --compare with no names (all 8 optimizers). For a first look:\n"
+    "On 2 CPU cores the defaults take about 1.5 minutes for one run (4000 steps of\n"
+    "14-21 ms, plus compiling), and about 11 minutes for --compare with no names\n"
+    "when it trained 8 optimizers (1-1.5 minutes for each). For a first look:\n"
     "  python -m optax_memopt --compare adamw microadam --model-size tiny --steps 300"
 )
 

@@ -72,6 +72,7 @@ def markdown_table(rows: Sequence[dict], baseline: str | None = "adamw") -> str:
 
 
 def milliseconds(ms_per_step: float | None) -> str:
+  """``ms_per_step`` for a table, "n/a" where no step was timed."""
   return "n/a" if ms_per_step is None else f"{ms_per_step:.1f}"
 
 
@@ -88,7 +89,7 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
 
   The three panels answer "how close to AdamW, for how much memory": the
   zoomed panel spans only the losses of the second half of training, where
-  the optimizers differ; AdamW is drawn last, black and dashed, so curves
+  the optimizers differ; AdamW is drawn on top, black and dashed, so curves
   that coincide with it stay visible; the bars show each optimizer's state
   bytes per parameter next to AdamW's (computed for the same parameters
   when AdamW was not trained).
@@ -97,6 +98,7 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   fig, (whole, zoom, bars) = plt.subplots(
       1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.8]}
@@ -107,12 +109,13 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
       if r["optimizer"] == BASELINE else {"color": next(colors), "linewidth": 1.4}
       for r in rows
   }
+  # A window of a fortieth of the run, at most 50 steps: smooth on long runs, raw on short ones.
+  window = min(50, max(1, max(len(r["train_losses"]) for r in rows) // 40))
   half = []
   for r in rows:
     if not r["train_losses"]:
       continue
-    # A window of a fortieth of the run, at most 50 steps: smooth on long runs, raw on short ones.
-    curve = smoothed(r["train_losses"], window=min(50, max(1, len(r["train_losses"]) // 40)))
+    curve = smoothed(r["train_losses"], window=window)
     steps = np.arange(len(curve)) + len(r["train_losses"]) - len(curve) + 1
     label = r["optimizer"] if r["diverged_at_step"] is None else (
         f"{r['optimizer']} (diverged at step {r['diverged_at_step']})")
@@ -130,8 +133,9 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
   zoom.set_title("second half, zoomed")
   for ax in (whole, zoom):
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-  whole.set_ylabel("train loss (nats per byte, smoothed)")
+  whole.set_ylabel("nats per byte" + (f", mean of {window} steps" if window > 1 else ""))
   whole.legend(fontsize=8)
 
   bar_rows = list(rows)
