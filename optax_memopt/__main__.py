@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"the Transformer's size (parameters: {sizes})")
   parser.add_argument("--batch-size", type=_int_at_least(1), default=16, help="sequences per step")
   parser.add_argument("--seq-len", type=_int_at_least(1), default=64,
-                      help="bytes per sequence (at most the model's max_len, 128)")
+                      help="bytes per sequence (at most the model's max_len,"
+                           f" {min(c.max_len for c in MODEL_SIZES.values())})")
   parser.add_argument("--seed", type=_int_at_least(0), default=0,
                       help="initialisation and batches; the same for every optimizer")
   parser.add_argument("--learning-rate", type=_learning_rate, default=None,
