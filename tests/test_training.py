@@ -75,23 +75,128 @@ def test_adamw_learns_the_text():
   assert result.state_bytes == 8 * result.n_params + 4
 
 
+def test_parameter_count_follows_the_layout():
+  c = main_job.MODEL_SIZES["tiny"]
+  kv = c.n_kv_heads * c.head_dim
+  per_layer = 2 * c.dim + 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn_dim
+  expected = 2 * c.vocab_size * c.dim + c.n_layers * per_layer + c.dim
+  assert model.parameter_count(c) == expected == 25_696
+
+
+TINY_RUN = ["--model-size", "tiny", "--batch-size", "2", "--seq-len", "8", "--quiet"]
+
+
 def test_main_job_compares_optimizers_and_writes_results(tmp_path, capsys):
-  main_job.main([
-      "--compare", "adamw", "adafactor", "--steps", "12", "--model-size", "tiny",
-      "--batch-size", "4", "--seq-len", "16", "--out", str(tmp_path), "--quiet",
-  ])
+  code = main_job.main(["--compare", "adamw", "adafactor", "--steps", "12", "--out", str(tmp_path)] + TINY_RUN)
   out = capsys.readouterr().out
-  assert "adamw: train loss" in out and "| adafactor |" in out
+  assert code == 0
   rows = json.loads((tmp_path / "compare.json").read_text())
   assert [r["optimizer"] for r in rows] == ["adamw", "adafactor"]
   assert len(rows[0]["train_losses"]) == 12
+  assert [r["learning_rate"] for r in rows] == [3e-3, 1e-2]  # Each optimizer's own.
+  n = 25_696
+  # fp32 m and v, and two int32 step counts (Adam's and the schedule's).
+  assert rows[0]["n_params"] == n and rows[0]["state_bytes"] == 8 * n + 8
+  adafactor = rows[1]
+  assert f"adafactor: train loss {adafactor['final_train_loss']:.3f}" in out
+  assert f"= {adafactor['state_bytes'] / n:.3f} B/param, {(8 * n + 4) / adafactor['state_bytes']:.1f}x less" in out
+  assert f"| adafactor | {adafactor['final_train_loss']:.3f} | {adafactor['validation_loss']:.3f}" in out
   for name in ("compare.png", "compare.md", "adamw.png", "adamw.json", "adafactor.png"):
     assert (tmp_path / name).stat().st_size > 0
 
 
-def test_main_job_rejects_unknown_optimizer():
-  with pytest.raises(SystemExit):
-    main_job.main(["--compare", "sgd-with-dreams"])
+@pytest.mark.parametrize("args, message", [
+    (["--learning-rate=-1e-3"], "argument --learning-rate: must be a finite number >= 0; got '-1e-3'"),
+    (["--learning-rate", "nan"], "argument --learning-rate: must be a finite number >= 0; got 'nan'"),
+    (["--learning-rate", "inf"], "argument --learning-rate: must be a finite number >= 0; got 'inf'"),
+    (["--steps", "0"], "argument --steps: must be an integer >= 1; got '0'"),
+    (["--seq-len", "129"], "--seq-len must be <= 128; got 129"),
+    (["--compare", "sgd-with-dreams"], "--compare: unknown optimizer 'sgd-with-dreams'"),
+    (["--compare", "adamw", "adamw"], "--compare: adamw is named more than once"),
+    (["--optimizer", "adamw", "--compare", "taco"], "argument --compare: not allowed with argument --optimizer"),
+])
+def test_main_job_refuses_bad_input_before_training(args, message, tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main_job.main(args + ["--out", str(tmp_path / "results")])
+  captured = capsys.readouterr()
+  assert exit_info.value.code == 2
+  assert f"python -m optax_memopt: error: {message}" in captured.err
+  assert captured.out == ""  # Nothing trained.
+
+
+def test_main_job_refuses_an_unusable_out_folder_before_training(tmp_path, capsys):
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("")
+  for out, message in (
+      (a_file, f"--out {a_file} is a file; name a folder"),
+      (a_file / "results", f"--out: cannot create the folder {a_file / 'results'}: Not a directory"),
+  ):
+    with pytest.raises(SystemExit) as exit_info:
+      main_job.main(["--out", str(out)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert message in captured.err and captured.out == ""
+
+
+def test_learning_rate_zero_is_honoured(tmp_path):
+  config = main_job.MODEL_SIZES["tiny"]
+  code = main_job.main(["--optimizer", "adamw", "--learning-rate", "0", "--steps", "3",
+                        "--out", str(tmp_path)] + TINY_RUN)
+  row = json.loads((tmp_path / "adamw.json").read_text())
+  assert code == 0 and row["learning_rate"] == 0.0
+  # The parameters did not move: the held-out loss is the initial model's.
+  graphdef, initial = loop.init_params(config, seed=0)
+  held_out = data.split(data.load_corpus("pydoc_topics"))[1]
+  expected = loop.evaluate(graphdef, initial, held_out, batch_size=2, seq_len=8)
+  np.testing.assert_allclose(row["validation_loss"], expected, rtol=1e-6)
+
+
+def test_a_diverging_run_is_reported_and_the_comparison_finishes(tmp_path, capsys, monkeypatch):
+  # The same huge rate makes AdamW diverge within a few steps but not an AdamW that ignores it.
+  monkeypatch.setitem(optimizers.OPTIMIZERS, "adamw_at_1e-3", optimizers.OptimizerSpec(
+      lambda lr, config: optax.adamw(1e-3), 1e-3, "AdamW whatever the rate it is given"))
+  code = main_job.main(["--compare", "adamw", "adamw_at_1e-3", "--learning-rate", "1000",
+                        "--steps", "6", "--out", str(tmp_path)] + TINY_RUN)
+  captured = capsys.readouterr()
+  diverged, steady = json.loads((tmp_path / "compare.json").read_text())
+  step = diverged["diverged_at_step"]
+  assert code == 1
+  assert 1 < step <= 6 and len(diverged["train_losses"]) == step - 1
+  assert np.all(np.isfinite(diverged["train_losses"])) and diverged["validation_loss"] is None
+  assert f"error: adamw: the training loss became nan at step {step} of 6" in captured.err
+  assert "error: 1 of 2 runs diverged: adamw" in captured.err
+  assert f"| adamw | diverged at step {step} |" in captured.out
+  assert steady["diverged_at_step"] is None and np.isfinite(steady["validation_loss"])
+  assert (tmp_path / "compare.png").stat().st_size > 0
+
+
+def test_help_lists_every_default_and_the_time_the_defaults_take(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main_job.main(["--help"])
+  out = " ".join(capsys.readouterr().out.split())  # Undo argparse's line wrapping.
+  assert exit_info.value.code == 0
+  for default in ("microadam", "4000", "small", "16", "64", "0", "pydoc_topics", "results"):
+    assert f"(default: {default})" in out
+  for name, spec in optimizers.OPTIMIZERS.items():
+    assert f"{name} {spec.default_learning_rate:g} " in out
+  assert "On 2 CPU cores the defaults take about" in out and "minutes" in out
+
+
+@pytest.mark.parametrize("peak", [-1e-3, float("nan"), float("inf"), "3e-3"])
+def test_schedule_refuses_a_peak_that_is_not_a_finite_non_negative_number(peak):
+  with pytest.raises(ValueError, match="peak learning rate must be a finite number >= 0"):
+    main_job.learning_rate_schedule(peak, 100)
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth():
+  peak, end = 2e-3, 2e-4
+  schedule = main_job.learning_rate_schedule(peak, 100)  # 5 warm-up steps, then 95 of cosine.
+  for step in (0, 2, 5, 30, 52, 99, 100):
+    t = (step - 5) / 95
+    expected = peak * step / 5 if step < 5 else end + (peak - end) * (1 + np.cos(np.pi * t)) / 2
+    np.testing.assert_allclose(float(schedule(step)), expected, rtol=1e-5, err_msg=f"step {step}")
+  assert float(main_job.learning_rate_schedule(0.0, 100)(50)) == 0.0
+  assert float(main_job.learning_rate_schedule(1.0, 1)(0)) == 0.0  # A one-step run gets a schedule.
 
 
 @pytest.mark.parametrize("name", sorted(optimizers.OPTIMIZERS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
@@ -12,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from optax_memopt.hyperparameters import check_int
 from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.training import data, model
 
@@ -25,8 +27,24 @@ class TrainResult:
   validation_loss: float
   state_bytes: int
   n_params: int
-  seconds_per_step: float
+  seconds_per_step: float  # NaN for a one-step run: the only step compiles.
   params: Params = dataclasses.field(repr=False)
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss became NaN or infinite: the run diverged.
+
+  Attributes:
+    step: the 1-based step whose training loss is not finite (the last step
+      when only the validation loss after it is not).
+    result: the run up to there; ``train_losses`` holds the finite losses
+      before ``step`` and ``validation_loss`` is NaN when training stopped early.
+  """
+
+  def __init__(self, message: str, *, step: int, result: TrainResult):
+    super().__init__(message)
+    self.step = step
+    self.result = result
 
 
 def init_params(config: model.TransformerConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -68,9 +86,16 @@ def train(
   ``params`` starts from given weights (fine-tuning) instead of a fresh
   initialisation. The same ``seed`` gives the same initialisation and batches
   whatever the optimizer, so runs of different optimizers compare fairly.
+  The losses are read back every ``progress_every`` steps (and after the
+  first and the last); ``progress``, when given, is called with each.
+
+  Raises:
+    NonFiniteLossError: at the first read-back that finds a NaN or infinite
+      training loss (naming the first such step), or when the validation loss
+      after the last step is not finite.
   """
-  if steps < 1:
-    raise ValueError(f"steps must be >= 1; got {steps}.")
+  check_int("steps", steps, 1)
+  check_int("progress_every", progress_every, 1)
   train_tokens, valid_tokens = data.split(data.load_corpus(corpus))
   graphdef, fresh = init_params(config, seed)
   params = fresh if params is None else params
@@ -83,24 +108,53 @@ def train(
     return optax.apply_updates(params, updates), opt_state, loss
 
   batches = data.random_windows(train_tokens, batch_size=batch_size, seq_len=seq_len, seed=seed)
-  losses = []
-  # The first step compiles; time the rest.
-  params, opt_state, loss = step(params, opt_state, next(batches))
-  losses.append(float(loss))
-  start = time.perf_counter()
-  for i in range(1, steps):
+  losses = []  # Device scalars; turned into floats at each check, so steps run ahead meanwhile.
+  checked = 0
+  start = 0.0  # Set after the first step, which compiles, so that only the rest is timed.
+
+  def seconds_per_step(done: int) -> float:
+    """Mean over the steps after the first, which compiles; NaN when there are none."""
+    return (time.perf_counter() - start) / (done - 1) if done > 1 else math.nan
+
+  for i in range(steps):
     params, opt_state, loss = step(params, opt_state, next(batches))
-    if progress is not None and (i % progress_every == 0 or i == steps - 1):
-      losses_so_far = float(loss)
-      progress(i + 1, losses_so_far, i / max(time.perf_counter() - start, 1e-9))
     losses.append(loss)
-  losses = [float(l) for l in jax.device_get(losses)]
-  seconds_per_step = (time.perf_counter() - start) / max(steps - 1, 1)
-  return TrainResult(
+    if i == 0 or (i + 1) % progress_every == 0 or i == steps - 1:
+      losses[checked:] = [float(x) for x in jax.device_get(losses[checked:])]
+      bad = next((j for j in range(checked, len(losses)) if not math.isfinite(losses[j])), None)
+      if bad is not None:
+        raise NonFiniteLossError(
+            f"the training loss became {losses[bad]} at step {bad + 1} of {steps}",
+            step=bad + 1,
+            result=TrainResult(
+                train_losses=losses[:bad],
+                validation_loss=math.nan,
+                state_bytes=state_nbytes(opt_state),
+                n_params=_size(params),
+                seconds_per_step=seconds_per_step(i + 1),
+                params=params,
+            ),
+        )
+      checked = len(losses)
+      if i == 0:
+        start = time.perf_counter()
+      elif progress is not None:
+        progress(i + 1, losses[-1], i / max(time.perf_counter() - start, 1e-9))
+  result = TrainResult(
       train_losses=losses,
       validation_loss=evaluate(graphdef, params, valid_tokens, batch_size=batch_size, seq_len=seq_len),
       state_bytes=state_nbytes(opt_state),
-      n_params=sum(x.size for x in jax.tree.leaves(params)),
-      seconds_per_step=seconds_per_step,
+      n_params=_size(params),
+      seconds_per_step=seconds_per_step(steps),
       params=params,
   )
+  if not math.isfinite(result.validation_loss):
+    raise NonFiniteLossError(
+        f"the validation loss after the last step ({steps}) is {result.validation_loss}",
+        step=steps, result=result,
+    )
+  return result
+
+
+def _size(params: Params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

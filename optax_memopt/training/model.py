@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from optax_memopt.hyperparameters import check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -28,8 +30,7 @@ class TransformerConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_len"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}.")
+      check_int(name, getattr(self, name), 1)
     if self.dim % self.n_heads:
       raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}.")
     if self.n_heads % self.n_kv_heads:
@@ -125,3 +126,9 @@ class Transformer(nnx.Module):
     for layer in self.layers:
       x = layer(x)
     return self.lm_head(self.final_norm(x))
+
+
+def parameter_count(config: TransformerConfig) -> int:
+  """How many parameters ``Transformer(config)`` has, found without allocating them."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  return sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
