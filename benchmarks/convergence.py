@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import fractions
+import math
 import pathlib
 
 import flax.serialization
@@ -43,6 +44,16 @@ def multiplier_name(multiplier: float) -> str:
   return f"x{fractions.Fraction(multiplier).limit_denominator(100)}"
 
 
+def _validation_loss(figures: dict) -> float:
+  """A run's validation loss; infinite for a run that diverged."""
+  return math.inf if figures["validation_loss"] is None else figures["validation_loss"]
+
+
+def _finite_or_none(value: float) -> float | None:
+  """None for a diverged figure, which JSON cannot hold as a number."""
+  return value if math.isfinite(value) else None
+
+
 def sweep(name, config, args, *, corpus, steps, params=None, lr_scale=1.0):
   """Every (rate, seed) run of one optimizer; returns its row at the best rate and every run's figures."""
   spec = optimizers.get(name)
@@ -51,34 +62,49 @@ def sweep(name, config, args, *, corpus, steps, params=None, lr_scale=1.0):
     peak = spec.default_learning_rate * lr_scale * multiplier
     runs[multiplier] = []
     for seed in args.seeds:
-      result = loop.train(
-          config, spec.build(learning_rate_schedule(peak, steps), config), steps=steps,
-          batch_size=args.batch_size, seq_len=args.seq_len, seed=seed, corpus=corpus, params=params,
-      )
-      runs[multiplier].append(report.summary(name, result) | {"learning_rate": peak, "seed": seed})
+      try:
+        result = loop.train(
+            config, spec.build(learning_rate_schedule(peak, steps), config), steps=steps,
+            batch_size=args.batch_size, seq_len=args.seq_len, seed=seed, corpus=corpus, params=params,
+        )
+        figures = report.summary(name, result)
+      except loop.NonFiniteLossError as error:
+        # A rate that diverges loses the sweep; the other rates still run.
+        figures = report.summary(name, error.result, diverged_at_step=error.step)
+      runs[multiplier].append(figures | {"learning_rate": peak, "seed": seed})
       print(f"  {name} lr {peak:.2e} ({multiplier_name(multiplier)}) seed {seed}:"
-            f" validation loss {result.validation_loss:.3f}", flush=True)
-  mean_validation = {m: float(np.mean([r["validation_loss"] for r in rs])) for m, rs in runs.items()}
+            f" validation loss {_validation_loss(figures):.3f}", flush=True)
+  mean_validation = {m: float(np.mean([_validation_loss(r) for r in rs])) for m, rs in runs.items()}
   best = min(args.lr_multipliers, key=lambda m: mean_validation[m])
   best_runs = runs[best]
-  validation = [r["validation_loss"] for r in best_runs]
-  row = {
+  validation = [_validation_loss(r) for r in best_runs]
+  shortest = min(len(r["train_losses"]) for r in best_runs)
+  # The state's size does not depend on the rate or the seed.
+  sizes = ("state_bytes", "state_bytes_per_param", "adamw_state_bytes", "adamw_state_bytes_per_param", "n_params")
+  row = {key: best_runs[0][key] for key in sizes} | {
       "optimizer": name,
       "learning_rate": best_runs[0]["learning_rate"],
       "lr_multiplier": best,
-      "validation_loss": float(np.mean(validation)),
-      "validation_spread": float(np.max(validation) - np.min(validation)),
-      "final_train_loss": float(np.mean([r["final_train_loss"] for r in best_runs])),
-      "validation_by_multiplier": {multiplier_name(m): v for m, v in mean_validation.items()},
-      "state_bytes_per_param": best_runs[0]["state_bytes_per_param"],
-      "ms_per_step": float(np.median([r["ms_per_step"] for rs in runs.values() for r in rs])),
-      # The winning rate's curve, averaged over the seeds, for the plot.
-      "train_losses": list(np.mean([r["train_losses"] for r in best_runs], axis=0)),
+      # Set only where every seed of every rate diverged.
+      "diverged_at_step": min((r["diverged_at_step"] for r in best_runs if r["diverged_at_step"]), default=None)
+      if not math.isfinite(mean_validation[best]) else None,
+      "validation_loss": _finite_or_none(float(np.mean(validation))),
+      "validation_spread": _finite_or_none(float(np.max(validation) - np.min(validation))),
+      "final_train_loss": float(np.mean([math.nan if r["final_train_loss"] is None else r["final_train_loss"] for r in best_runs])),
+      "validation_by_multiplier": {multiplier_name(m): _finite_or_none(v) for m, v in mean_validation.items()},
+      "ms_per_step": float(np.median([r["ms_per_step"] for rs in runs.values() for r in rs if r["ms_per_step"] is not None])),
+      # The winning rate's curve, averaged over the seeds, for the plot (cut
+      # to the shortest run where every rate diverged).
+      "train_losses": list(np.mean([r["train_losses"][:shortest] for r in best_runs], axis=0)),
   }
   for rs in runs.values():
     for r in rs:
       del r["train_losses"]
   return row, runs
+
+
+def _loss(value: float | None) -> str:
+  return "diverged" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
 def markdown_table(rows, multipliers) -> str:
@@ -90,11 +116,12 @@ def markdown_table(rows, multipliers) -> str:
       "|---" * (7 + len(rates)) + "|",
   ]
   for r in rows:
-    gap = f"{r['validation_loss'] - base['validation_loss']:+.3f}" if base else "n/a"
+    gap = (f"{r['validation_loss'] - base['validation_loss']:+.3f}"
+           if base and None not in (r["validation_loss"], base["validation_loss"]) else "n/a")
     lines.append(
         f"| {r['optimizer']} | {r['learning_rate']:.1e} ({multiplier_name(r['lr_multiplier'])})"
-        f" | {r['final_train_loss']:.3f} | {r['validation_loss']:.3f} | {r['validation_spread']:.3f} | {gap} | "
-        + " | ".join(f"{r['validation_by_multiplier'][name]:.3f}" for name in rates)
+        f" | {_loss(r['final_train_loss'])} | {_loss(r['validation_loss'])} | {_loss(r['validation_spread'])} | {gap} | "
+        + " | ".join(_loss(r["validation_by_multiplier"][name]) for name in rates)
         + f" | {r['state_bytes_per_param']:.3f} |"
     )
   return "\n".join(lines)
