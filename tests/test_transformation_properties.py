@@ -181,9 +181,10 @@ CYCLES = 3
 def on_dyadic_grid(tree, rng):
   """Random gradients whose means over ``MICRO_STEPS`` are exact in float32.
 
-  Multiples of 2**-12 below 1: sums of two stay on the grid within float32's
-  24 bits and halving is exact, so optax's running mean and the plain mean are
-  the same float32 numbers, and the runs compared see identical gradients.
+  Multiples of 2**-12 (of magnitude far below 2**11): a sum of two has at most
+  24 significant bits, so it is exact in float32, and halving is exact; optax's
+  running mean ``a + (g - a) / 2`` and the plain mean are then the same
+  float32 numbers, and the runs compared see identical gradients.
   """
   return jax.tree.map(
       lambda p: jnp.asarray(np.round(rng.normal(0.0, 0.1, p.shape) * 4096) / 4096, p.dtype), tree
@@ -201,10 +202,12 @@ def assert_same_values(actual, expected, what: str) -> None:
     assert (got.dtype, got.shape) == (want.dtype, want.shape), where
     if jnp.issubdtype(got.dtype, jnp.floating) and jnp.finfo(got.dtype).bits >= 32:
       # Same inputs, same program, compiled inside and outside lax.cond: XLA
-      # may fuse differently, which moves a float32 result by an ulp or two.
+      # may fuse differently, which moves a float32 result by an ulp or two
+      # (rtol 1e-6 is 8 ulps).
       np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=where)
     else:
-      np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"), err_msg=where)
+      unsigned = f"u{got.itemsize}"
+      np.testing.assert_array_equal(got.view(unsigned), want.view(unsigned), err_msg=where)
 
 
 @pytest.mark.parametrize("name", NAMES)
