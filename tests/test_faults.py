@@ -123,7 +123,7 @@ def test_non_finite_gradient_stays_visible_and_contained(name, bad_value, seed):
 
   clean_leaves = jax.tree_util.tree_flatten_with_path(clean_state)[0]
   for (path, faulty_leaf), (_, clean_leaf) in zip(
-      jax.tree_util.tree_flatten_with_path(faulty_state)[0], clean_leaves
+      jax.tree_util.tree_flatten_with_path(faulty_state)[0], clean_leaves, strict=True
   ):
     if not belongs_to_faulty_leaf(path):
       assert np.asarray(faulty_leaf).tobytes() == np.asarray(clean_leaf).tobytes(), (
