@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, sharding
-from optax_memopt.leaves import path_name
+from optax_memopt.leaves import check_param_dtypes, path_name
 
 # The reference's name fragments (adam-mini 1.1.1), matched by substring in the
 # lowercased parameter name, first rule that matches wins.
@@ -642,6 +642,10 @@ def scale_by_adam_mini(
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
   def init_fn(params):
+    check_param_dtypes(
+        params, "adam_mini", supported=lambda dtype: jnp.issubdtype(dtype, jnp.inexact),
+        supported_text="floating-point and complex parameters",
+    )
     partition = adam_mini_partition(
         params, rules, n_heads=n_heads, n_kv_heads=n_kv_heads,
         stacked_modules=stacked_modules,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, sharding
+from optax_memopt.leaves import check_param_dtypes
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
@@ -185,6 +186,7 @@ def scale_by_microadam(
     return (window, topk.selection_size(leaf.size, k=k, block_size=block_size))
 
   def init_fn(params):
+    check_param_dtypes(params, "microadam")
     def empty_error(leaf):
       if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
         raise ValueError(

@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, sharding
+from optax_memopt.leaves import check_param_dtypes
 
 from pallas_kernels import dispatch
 from pallas_kernels.column_select import column_select
@@ -345,6 +346,7 @@ def scale_by_taco(
     )
 
   def init_fn(params):
+    check_param_dtypes(params, "taco")
     index, momentum, scale = _map_with_path(init_leaf, 3, params)
     return ScaleByTacoState(
         count=jnp.zeros([], jnp.int32), index=index, momentum=momentum, scale=scale

@@ -111,6 +111,7 @@ from jax import lax
 import optax
 
 from optax_memopt import hyperparameters, sharding
+from optax_memopt.leaves import check_param_dtypes
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
@@ -296,6 +297,7 @@ def scale_by_ternary_adam(
   dispatch.check(implementation)  # Validates it eagerly.
 
   def init_fn(params):
+    check_param_dtypes(params, "ternary_adam")
     def init_mu(param):
       _check_real(param)
       if _is_ternary(param, min_size):

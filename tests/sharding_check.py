@@ -112,39 +112,68 @@ def train(step, params, state, gradients) -> list:
   return trajectory
 
 
-def differences(expected, actual) -> list[dict]:
-  """Per leaf: the largest difference, scaled by the expected leaf's magnitude for floats."""
-  rows = []
+def is_code(dtype) -> bool:
+  """Integers, booleans and floats narrower than float32: values stored, not summed, per step."""
+  dtype = np.dtype(dtype)
+  return not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits < 32
+
+
+def differences(expected, actual) -> dict:
+  """How ``actual`` departs from ``expected``, leaf by leaf.
+
+  ``structure`` is empty when both trees have the same structure, shapes and
+  dtypes, else it says where they differ (and no leaf is compared). Rows:
+  codes (``is_code``) count the entries that differ bitwise; float32 leaves
+  give their largest difference in units of float32's epsilon times the
+  expected leaf's largest magnitude, and whether finiteness differs.
+  """
+  if jax.tree.structure(expected) != jax.tree.structure(actual):
+    return {
+        "structure": f"{jax.tree.structure(expected)} != {jax.tree.structure(actual)}",
+        "rows": [],
+    }
+  rows, structure = [], []
   for (path, want), got in zip(
-      jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)
+      jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual), strict=True
   ):
     want, got = np.asarray(want), np.asarray(got)
-    row = {"path": jax.tree_util.keystr(path), "dtype": str(want.dtype)}
-    if jnp.issubdtype(want.dtype, jnp.floating):
-      want64, got64 = want.astype(np.float64), got.astype(np.float64)
-      scale = float(np.max(np.abs(want64), initial=0.0)) or 1.0
-      row["relative"] = float(np.max(np.abs(want64 - got64), initial=0.0)) / scale
-      row["eps"] = float(jnp.finfo(want.dtype).eps)
-      row["non_finite_mismatch"] = bool(np.any(np.isfinite(want64) != np.isfinite(got64)))
+    name = jax.tree_util.keystr(path)
+    if (want.shape, want.dtype) != (got.shape, got.dtype):
+      structure.append(f"{name}: {want.dtype}{list(want.shape)} != {got.dtype}{list(got.shape)}")
+      continue
+    row = {"path": name, "dtype": str(want.dtype)}
+    if is_code(want.dtype):
+      # Bitwise: NaN payloads and signed zeros count as the stored value.
+      row["mismatched"] = int(
+          np.sum(want.view(f"u{want.itemsize}") != got.view(f"u{want.itemsize}"))
+      )
     else:
-      row["mismatched"] = int(np.sum(want != got))
+      want64, got64 = want.astype(np.float64), got.astype(np.float64)
+      finite = np.isfinite(want64) & np.isfinite(got64)
+      scale = float(np.max(np.abs(want64[finite]), initial=0.0)) or 1.0
+      row["ulps"] = float(
+          np.max(np.abs(want64 - got64)[finite], initial=0.0) / (scale * np.finfo(np.float32).eps)
+      )
+      row["non_finite_mismatch"] = bool(np.any(np.isfinite(want64) != np.isfinite(got64)))
     rows.append(row)
-  return rows
+  return {"structure": "; ".join(structure), "rows": rows}
 
 
 def bitwise_equal(expected, actual) -> bool:
-  return all(
+  return jax.tree.structure(expected) == jax.tree.structure(actual) and all(
       np.asarray(a).dtype == np.asarray(b).dtype
       and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-      for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(actual))
+      for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True)
   )
 
 
 def sharding_changes(before, after) -> list[str]:
+  if jax.tree.structure(before) != jax.tree.structure(after):
+    return [f"structure: {jax.tree.structure(before)} -> {jax.tree.structure(after)}"]
   return [
       f"{jax.tree_util.keystr(path)}: {old.sharding} -> {new.sharding}"
       for (path, old), new in zip(
-          jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after)
+          jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after), strict=True
       )
       if not new.sharding.is_equivalent_to(old.sharding, old.ndim)
   ]

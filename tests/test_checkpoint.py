@@ -21,7 +21,6 @@ import pytest
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import (
     build,
-    fresh_seed,
     make_params,
     make_target,
     quadratic_loss,
@@ -55,7 +54,7 @@ def bitwise(tree):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_resumed_run_equals_uninterrupted_run(name, dtype, tmp_path):
+def test_resumed_run_equals_uninterrupted_run(name, dtype, seed, tmp_path):
   """Save midway, restore into a new optimizer (as a new process would), resume.
 
   The MicroAdam reference keeps its step count outside the state (lost on
@@ -63,7 +62,6 @@ def test_resumed_run_equals_uninterrupted_run(name, dtype, tmp_path):
   counter and code is a state leaf: the restored state is the saved one leaf
   by leaf and dtype by dtype, and the resumed run is the uninterrupted one.
   """
-  seed = fresh_seed()
   initial = make_params(dtype, seed=seed % 1000)
   targets = [make_target(initial, seed + t) for t in range(STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE)]
   optimizer = build(name)

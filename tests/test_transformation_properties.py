@@ -48,10 +48,6 @@ def make_target(params, seed):
   )
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 def build(name, **overrides):
   case = CASES[name]
   return case.factory(**{**case.kwargs, **overrides})
@@ -75,10 +71,10 @@ def test_jitted_updates_preserve_param_dtype_and_state_layout(name, dtype):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_state_is_stable_through_lax_cond(name):
+def test_state_is_stable_through_lax_cond(name, seed):
   opt = build(name)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
 
   @jax.jit
   def step(params, state, take_step):
@@ -98,10 +94,10 @@ def test_state_is_stable_through_lax_cond(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_update_does_not_retrace_across_steps(name):
+def test_update_does_not_retrace_across_steps(name, seed):
   opt = build(name)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   traces = []
 
   @jax.jit
@@ -118,10 +114,10 @@ def test_update_does_not_retrace_across_steps(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_reduces_a_quadratic_loss(name):
+def test_reduces_a_quadratic_loss(name, seed):
   opt = build(name)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   state = opt.init(params)
 
   @jax.jit
@@ -140,14 +136,14 @@ def test_reduces_a_quadratic_loss(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_inject_hyperparams_matches_plain(name):
+def test_inject_hyperparams_matches_plain(name, seed):
   case = CASES[name]
   injected = optax.inject_hyperparams(case.factory, static_args=case.static_args)(
       **case.kwargs
   )
   plain = build(name)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   plain_state, injected_state = plain.init(params), injected.init(params)
   for _ in range(3):
     grads = jax.grad(quadratic_loss)(params, target)
@@ -160,12 +156,12 @@ def test_inject_hyperparams_matches_plain(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_constant_schedule_equals_constant_learning_rate(name):
+def test_constant_schedule_equals_constant_learning_rate(name, seed):
   learning_rate = CASES[name].kwargs["learning_rate"]
   with_schedule = build(name, learning_rate=optax.constant_schedule(learning_rate))
   with_float = build(name)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   states = [with_schedule.init(params), with_float.init(params)]
   for _ in range(3):
     grads = jax.grad(quadratic_loss)(params, target)
@@ -177,30 +173,84 @@ def test_constant_schedule_equals_constant_learning_rate(name):
     params = optax.apply_updates(params, u_float)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_multi_steps_accumulates_before_updating(name):
-  opt = optax.MultiSteps(build(name), every_k_schedule=3)
-  params = make_params()
-  target = make_target(params, fresh_seed())
-  state = opt.init(params)
-  update = jax.jit(opt.update)
-  for micro_step in range(3):
-    grads = jax.grad(quadratic_loss)(params, target)
-    updates, state = update(grads, state, params)
-    if micro_step < 2:
-      chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
-  assert any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+# Micro-batches per optimizer step and optimizer steps compared.
+MICRO_STEPS = 2
+CYCLES = 3
+
+
+def on_dyadic_grid(tree, rng):
+  """Random gradients whose means over ``MICRO_STEPS`` are exact in float32.
+
+  Multiples of 2**-12 (of magnitude far below 2**11): a sum of two has at most
+  24 significant bits, so it is exact in float32, and halving is exact; optax's
+  running mean ``a + (g - a) / 2`` and the plain mean are then the same
+  float32 numbers, and the runs compared see identical gradients.
+  """
+  return jax.tree.map(
+      lambda p: jnp.asarray(np.round(rng.normal(0.0, 0.1, p.shape) * 4096) / 4096, p.dtype), tree
+  )
+
+
+def assert_same_values(actual, expected, what: str) -> None:
+  """Same structure; codes (integers, narrow floats) equal, float32 within a few ulps."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), what
+  for (path, got), want in zip(
+      jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected), strict=True
+  ):
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    got, want = np.asarray(got), np.asarray(want)
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), where
+    if jnp.issubdtype(got.dtype, jnp.floating) and jnp.finfo(got.dtype).bits >= 32:
+      # Same inputs, same program, compiled inside and outside lax.cond: XLA
+      # may fuse differently, which moves a float32 result by an ulp or two
+      # (rtol 1e-6 is 8 ulps).
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=where)
+    else:
+      unsigned = f"u{got.itemsize}"
+      np.testing.assert_array_equal(got.view(unsigned), want.view(unsigned), err_msg=where)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_chains_after_clipping_and_under_a_mask(name):
+def test_multi_steps_equal_steps_on_the_mean_gradient(name, seed):
+  """Every cycle of ``optax.MultiSteps`` is one inner step on the cycle's mean gradient.
+
+  The reference runs the inner optimizer directly on the averaged gradients;
+  the accumulating run must emit zero updates inside a cycle and, at each
+  cycle's end, the reference's updates, parameters and state. Ternary Adam's
+  rounding key advances once per inner step, so both runs draw the same bits.
+  """
+  rng = np.random.default_rng(seed)
+  inner = build(name)
+  accumulating = optax.MultiSteps(build(name), every_k_schedule=MICRO_STEPS)
+  params = reference_params = make_params()
+  state = accumulating.init(params)
+  reference_state = inner.init(reference_params)
+  update, reference_update = jax.jit(accumulating.update), jax.jit(inner.update)
+  for cycle in range(CYCLES):
+    micro_batches = [on_dyadic_grid(params, rng) for _ in range(MICRO_STEPS)]
+    for micro_step, grads in enumerate(micro_batches):
+      updates, state = update(grads, state, params)
+      if micro_step < MICRO_STEPS - 1:
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+      params = optax.apply_updates(params, updates)
+    mean = jax.tree.map(lambda *g: sum(g) / MICRO_STEPS, *micro_batches)
+    reference_updates, reference_state = reference_update(mean, reference_state, reference_params)
+    reference_params = optax.apply_updates(reference_params, reference_updates)
+    context = f"cycle {cycle}, seed {seed}: "
+    assert_same_values(updates, reference_updates, context + "updates")
+    assert_same_values(params, reference_params, context + "params")
+    assert_same_values(state.inner_opt_state, reference_state, context + "state")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chains_after_clipping_and_under_a_mask(name, seed):
   params = make_params()
   only_dense = {k: k == "dense" for k in params}
   opt = optax.chain(
       optax.clip_by_global_norm(1.0),
       optax.masked(build(name), only_dense),
   )
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   state = opt.init(params)
   grads = jax.grad(quadratic_loss)(params, target)
   updates, state = jax.jit(opt.update)(grads, state, params)
@@ -212,10 +262,10 @@ def test_chains_after_clipping_and_under_a_mask(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_skipped_non_finite_step_leaves_state_unchanged(name):
+def test_skipped_non_finite_step_leaves_state_unchanged(name, seed):
   opt = optax.apply_if_finite(build(name), max_consecutive_errors=5)
   params = make_params()
-  target = make_target(params, fresh_seed())
+  target = make_target(params, seed)
   state = opt.init(params)
   grads = jax.grad(quadratic_loss)(params, target)
   _, state = jax.jit(opt.update)(grads, state, params)
