@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import hyperparameters, sharding
+from optax_memopt import hyperparameters, leaves, sharding
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
@@ -45,9 +45,11 @@ class ScaleByMicroAdamState(NamedTuple):
   count: jax.Array  # shape=(), dtype=jnp.int32; steps taken.
   indices: optax.Updates  # shape=(window, K), dtype=jnp.int16; block-local, block-major.
   values: optax.Updates  # shape=(window, K), dtype=jnp.bfloat16.
-  # quantize.QuantizedArray: codes shape=(ceil(d / 2),) dtype=jnp.uint8 (4-bit,
-  # planar layout); minimum, maximum shape=(ceil(d / bucket_size),) dtype=jnp.bfloat16.
-  error: optax.Updates
+  # quantize.QuantizedArray of three trees like the params (one array per
+  # parameter in each, as Flax NNX's nnx.Optimizer needs): codes
+  # shape=(ceil(d / 2),) dtype=jnp.uint8 (4-bit, planar layout); minimum,
+  # maximum shape=(ceil(d / bucket_size),) dtype=jnp.bfloat16.
+  error: quantize_kernel.QuantizedArray
 
 
 def _keep_per_block(block_size: int, density: float) -> int:
@@ -185,25 +187,24 @@ def scale_by_microadam(
     return (window, topk.selection_size(leaf.size, k=k, block_size=block_size))
 
   def init_fn(params):
-    def empty_error(leaf):
-      if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-        raise ValueError(
-            f"microadam supports real floating parameters; got a {leaf.dtype} leaf of shape"
-            f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
-        )
-      # What quantizing zeros gives (constant buckets: code 0, min = max = 0),
-      # built directly rather than computed.
-      return quantize_kernel.QuantizedArray(
-          codes=jnp.zeros((math.ceil(leaf.size * ERROR_BITS / 8),), jnp.uint8),
-          minimum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
-          maximum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
-      )
+    leaves.check_param_dtypes(params, "microadam")
 
+    def zero_statistics(leaf):
+      return jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16)
+
+    # The error of zeros as the quantizer stores it (constant buckets: code 0,
+    # min = max = 0), built directly rather than computed.
     return ScaleByMicroAdamState(
         count=jnp.zeros([], jnp.int32),
         indices=jax.tree.map(lambda p: jnp.zeros(ring_shape(p), jnp.int16), params),
         values=jax.tree.map(lambda p: jnp.zeros(ring_shape(p), jnp.bfloat16), params),
-        error=jax.tree.map(empty_error, params),
+        error=quantize_kernel.QuantizedArray(
+            codes=jax.tree.map(
+                lambda p: jnp.zeros((math.ceil(p.size * ERROR_BITS / 8),), jnp.uint8), params
+            ),
+            minimum=jax.tree.map(zero_statistics, params),
+            maximum=jax.tree.map(zero_statistics, params),
+        ),
     )
 
   def update_fn(updates, state, params=None):
@@ -211,8 +212,9 @@ def scale_by_microadam(
     count = optax.safe_increment(state.count)
     ring_row = (count - 1) % window
 
-    def update_leaf(gradient, indices, values, error):
+    def update_leaf(gradient, indices, values, codes, minimum, maximum):
       size = gradient.size
+      error = quantize_kernel.QuantizedArray(codes, minimum, maximum)
       accumulated = quantize_kernel.dequantize_add(
           error,
           gradient.reshape(-1).astype(jnp.float32),
@@ -255,9 +257,9 @@ def scale_by_microadam(
         gradients,
         treedef.flatten_up_to(state.indices),
         treedef.flatten_up_to(state.values),
-        treedef.flatten_up_to(state.error),
+        *(treedef.flatten_up_to(field) for field in state.error),
         # Not the ring: its rows are updated in place.
-        waiting=(0, 3),
+        waiting=(0, 3, 4, 5),
         # The next leaf waits for the state only: the direction is left for
         # XLA to fuse into its consumer (the parameters' update).
         awaited=(1, 2, 3),
@@ -267,6 +269,9 @@ def scale_by_microadam(
         treedef.unflatten([])
     ] * 4
     new_updates, indices, values, error = columns
+    error = quantize_kernel.QuantizedArray(
+        *(jax.tree.map(lambda q, i=i: q[i], error, is_leaf=lambda x: isinstance(x, quantize_kernel.QuantizedArray)) for i in range(3))
+    )
     return new_updates, ScaleByMicroAdamState(count, indices, values, error)
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))

@@ -118,6 +118,12 @@ class NumpyMicroAdam:
 
 # -- tests ----------------------------------------------------------------------
 
+
+def leaf_error(state, name) -> quantize.QuantizedArray:
+  """One parameter's error feedback from the state's three parameter-shaped trees."""
+  return quantize.QuantizedArray(*(field[name] for field in state.error))
+
+
 SHAPES = {"kernel": (24, 40), "bias": (40,), "small": (5, 7)}
 
 
@@ -171,7 +177,7 @@ def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, dens
             np.asarray(state.values[name][row]).view(np.uint16), values.view(np.uint16), err_msg=message
         )
       error = quantize.dequantize(
-          state.error[name], size=reference.error.size, bits=4, bucket_size=bucket_size
+          leaf_error(state, name), size=reference.error.size, bits=4, bucket_size=bucket_size
       )
       np.testing.assert_allclose(np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=message)
 
@@ -197,7 +203,7 @@ def test_ties_at_the_threshold_zero_the_selected_entries_only(kind):
       grad = np.where(rng.random(1000) < 0.05, grad, 0.0).astype(np.float32)
     _, state = jax.jit(opt.update)({"w": jnp.asarray(grad)}, state)
     reference.step(grad)
-    error = quantize.dequantize(state.error["w"], size=1000, bits=4, bucket_size=bucket_size)
+    error = quantize.dequantize(leaf_error(state, "w"), size=1000, bits=4, bucket_size=bucket_size)
     np.testing.assert_allclose(
         np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}"
     )
@@ -250,16 +256,16 @@ def test_error_feedback_respects_the_quantizer_bound():
   for t in range(1, 5):
     gradient = rng.normal(size=(24, 40)).astype(np.float32) * 10.0 ** rng.uniform(-3, 1)
     gradient.reshape(-1)[:bucket_size] = 0  # bucket 0 stays constant (all zeros)
-    previous = quantize.dequantize(state.error["w"], size=960, bits=4, bucket_size=bucket_size)
+    previous = quantize.dequantize(leaf_error(state, "w"), size=960, bits=4, bucket_size=bucket_size)
     _, state = opt.update({"w": jnp.asarray(gradient)}, state)
     accumulated = gradient.reshape(-1) + np.asarray(previous)
     row = np.asarray(state.indices["w"][(t - 1) % window]).astype(np.int64)
     block = np.arange(row.size) // k
     remainder = accumulated.copy()
     remainder[block * block_size + row] = 0
-    decoded = np.asarray(quantize.dequantize(state.error["w"], size=960, bits=4, bucket_size=bucket_size))
-    low = np.asarray(state.error["w"].minimum.astype(jnp.float32))
-    high = np.asarray(state.error["w"].maximum.astype(jnp.float32))
+    decoded = np.asarray(quantize.dequantize(leaf_error(state, "w"), size=960, bits=4, bucket_size=bucket_size))
+    low = np.asarray(leaf_error(state, "w").minimum.astype(jnp.float32))
+    high = np.asarray(leaf_error(state, "w").maximum.astype(jnp.float32))
     half_step = np.repeat((high - low) / (2 * LEVELS), bucket_size)[:960]
     excess = np.abs(remainder - decoded) - half_step * (1 + 1e-5)
     assert excess.max() <= 0, f"seed={seed} step={t}: bound exceeded by {excess.max()}"
@@ -317,15 +323,15 @@ def test_state_bytes_and_dtypes_follow_the_spec(settings):
   for name, leaf in params.items():
     want = expected_leaf_bytes(leaf.size, **full)
     got = optax_memopt.state_nbytes(
-        (state.indices[name], state.values[name], state.error[name])
+        (state.indices[name], state.values[name], leaf_error(state, name))
     )
     assert got == want, name
     total += want
     assert state.indices[name].dtype == jnp.int16
     assert state.values[name].dtype == jnp.bfloat16
-    assert state.error[name].codes.dtype == jnp.uint8
-    assert state.error[name].codes.shape == (math.ceil(leaf.size / 2),)
-    assert state.error[name].minimum.dtype == state.error[name].maximum.dtype == jnp.bfloat16
+    assert leaf_error(state, name).codes.dtype == jnp.uint8
+    assert leaf_error(state, name).codes.shape == (math.ceil(leaf.size / 2),)
+    assert leaf_error(state, name).minimum.dtype == leaf_error(state, name).maximum.dtype == jnp.bfloat16
   assert optax_memopt.state_nbytes(state) == total
 
 
@@ -432,3 +438,50 @@ def test_zeroed_error_is_written_out_before_the_quantizer():
   state = opt.init(params)
   text = jax.jit(opt.update).lower(params, state).compile().as_text()
   assert f"f32[{d}]{{0}} dynamic-update-slice(" in text
+
+
+def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax():
+  # nnx.Optimizer splits and merges the state under nnx.jit: the error
+  # feedback must come back as the three parameter-shaped trees it went in as.
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(16, 40, rngs=rngs)
+      self.out = nnx.Linear(40, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jax.nn.relu(self.dense(x)))
+
+  def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  tx = optax_memopt.microadam(1e-2, block_size=256, bucket_size=64, density=0.1, window=2)
+  model = Model(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graph, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(jnp.copy, params)  # not the model's own, which nnx_step updates
+  state = tx.init(params)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, x, y):
+    grads = nnx.grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+
+  @jax.jit
+  def optax_step(params, state, x, y):
+    grads = jax.grad(lambda p: loss_fn(nnx.merge(graph, p), x, y))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  for _ in range(3):
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    nnx_step(model, optimizer, x, y)
+    params, state = optax_step(params, state, x, y)
+  chex.assert_trees_all_close(
+      nnx.state(model, nnx.Param), params, rtol=1e-6, custom_message=f"seed={seed}"
+  )
+  assert isinstance(optimizer.opt_state[0].error, quantize.QuantizedArray)
