@@ -507,3 +507,13 @@ def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax():
       nnx.state(model, nnx.Param), params, rtol=1e-6, custom_message=f"seed={seed}"
   )
   assert isinstance(optimizer.opt_state[0].error, quantize.QuantizedArray)
+
+
+def test_every_leaf_masked_out_passes_the_updates_through():
+  params = {"w": jnp.ones((5,)), "b": jnp.ones((3,))}
+  opt = optax.masked(
+      optax_memopt.scale_by_microadam(block_size=256, bucket_size=64), {"w": False, "b": False}
+  )
+  updates, state = jax.jit(opt.update)(params, opt.init(params))
+  chex.assert_trees_all_equal(updates, params)
+  assert int(state.inner_state.count) == 1
