@@ -53,7 +53,7 @@ def _cases() -> list[KernelCase]:
       KernelCase(
           "block_topk f32",
           lambda key, n: (_normal(key, n),),
-          lambda x, implementation: topk.block_topk(x, k=k, block_size=TOPK_BLOCK, implementation=implementation),
+          lambda x, implementation: topk.block_topk(x, density=TOPK_DENSITY, block_size=TOPK_BLOCK, implementation=implementation),
           lambda n: 4 * n + 6 * (n // TOPK_BLOCK) * k,
       ),
   ]
@@ -102,7 +102,7 @@ def _cases() -> list[KernelCase]:
           f"microadam_update window {window}",
           lambda key, n: _ring(key, n, window),
           lambda indices, values, implementation: microadam_update.microadam_update(
-              indices, values, window + 3, 0.9, 0.999, 1e-8, size=indices.shape[1] // k * TOPK_BLOCK, k=k,
+              indices, values, window + 3, 0.9, 0.999, 1e-8, size=indices.shape[1] // k * TOPK_BLOCK, density=TOPK_DENSITY,
               block_size=TOPK_BLOCK, implementation=implementation),
           # Reads the ring; writes the dense update.
           lambda n: window * (n // TOPK_BLOCK) * k * 4 + 4 * n,

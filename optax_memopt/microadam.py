@@ -16,64 +16,71 @@ parameter, against 8 for fp32 Adam.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import hyperparameters, sharding
-from optax_memopt.leaves import check_param_dtypes
+from optax_memopt import hyperparameters, leaves, sharding
 
-from pallas_kernels import _backend
 from pallas_kernels import dispatch
-from pallas_kernels import microadam_update as update_kernel
-from pallas_kernels import quantize as quantize_kernel
+from pallas_kernels import microadam_update as window_update
+from pallas_kernels import quantize
+from pallas_kernels import static_args
 from pallas_kernels import topk
 
 ERROR_BITS = 4
-# Block-local indices are stored as int16.
-MAX_BLOCK_SIZE = 2**15
 
 
 class ScaleByMicroAdamState(NamedTuple):
   """State of ``scale_by_microadam``; every field but ``count`` mirrors the params.
 
-  Shapes are per leaf of ``d`` elements, with ``K = topk.selection_size(d,
-  k=k, block_size=block_size)`` entries kept per step.
+  Shapes are per parameter of ``d`` elements, with ``K =
+  topk.selection_size(d, density=density, block_size=block_size)`` entries
+  kept per step. Each parameter-shaped tree holds one array per parameter
+  (the error feedback is three such trees), so the state goes through Flax
+  NNX's ``nnx.Optimizer`` under ``nnx.jit`` unchanged.
   """
 
   count: jax.Array  # shape=(), dtype=jnp.int32; steps taken.
   indices: optax.Updates  # shape=(window, K), dtype=jnp.int16; block-local, block-major.
   values: optax.Updates  # shape=(window, K), dtype=jnp.bfloat16.
-  # quantize.QuantizedArray: codes shape=(ceil(d / 2),) dtype=jnp.uint8 (4-bit,
-  # planar layout); minimum, maximum shape=(ceil(d / bucket_size),) dtype=jnp.bfloat16.
-  error: optax.Updates
-
-
-def _keep_per_block(block_size: int, density: float) -> int:
-  """``k = ceil(block_size * density)``, immune to float noise such as 100 * 0.07."""
-  return min(block_size, max(1, math.ceil(round(block_size * density, 9))))
+  # codes: shape=(ceil(d / 2),), dtype=jnp.uint8 (4-bit, planar layout);
+  # minimum, maximum: shape=(ceil(d / bucket_size),), dtype=jnp.bfloat16.
+  error: quantize.QuantizedArray
 
 
 def _check_hyperparameters(
     b1, b2, eps, window, density, block_size, bucket_size, implementation
-) -> None:
+) -> tuple[int, float, int, int]:
+  """The shape-fixing hyper-parameters as Python numbers; a ``ValueError`` naming a bad one."""
   hyperparameters.check_decay_rate("b1", b1)
   hyperparameters.check_decay_rate("b2", b2)
   hyperparameters.check_non_negative("eps", eps)
-  hyperparameters.check_int("window", window, 1, 2**31 - 1)
-  if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
-    raise ValueError(f"density must be a number in (0, 1]; got {density!r}.")
-  hyperparameters.check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+  window = hyperparameters.check_int("window", window, 1)
+  density = hyperparameters.check_fraction("density", density)
+  block_size = hyperparameters.check_int(
+      "block_size", block_size, 1, static_args.INT16_INDEX_LIMIT,
+      hint=" (block-local indices are stored as int16)",
+  )
+  bucket_size = hyperparameters.check_int("bucket_size", bucket_size, 1)
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
-  quantize_kernel.num_buckets(0, bucket_size)
+  quantize.num_buckets(0, bucket_size)
   dispatch.check(implementation)
   if implementation in ("pallas", "interpret"):
-    # The update kernel's limits include the top-k kernel's (whole rows of 256).
-    reason = update_kernel.kernel_unsupported_reason(block_size)
+    # The window update kernel's limits include the top-k kernel's (whole rows of 256).
+    reason = window_update.kernel_unsupported_reason(block_size)
     if reason is not None:
       raise ValueError(reason)
+  return window, density, block_size, bucket_size
+
+
+def _unzip(like: Any, per_leaf: Any, n: int) -> tuple[Any, ...]:
+  """``n`` trees like ``like`` from a tree of ``n``-tuples at its leaves."""
+  if not jax.tree.leaves(like):  # jax.tree.transpose needs a leaf; every leaf masked.
+    return (like,) * n
+  return jax.tree.transpose(jax.tree.structure(like), jax.tree.structure((0,) * n), per_leaf)
 
 
 def scale_by_microadam(
@@ -89,7 +96,7 @@ def scale_by_microadam(
 ) -> optax.GradientTransformation:
   """Rescale updates by MicroAdam's window of sparse gradients.
 
-  Per leaf, flattened to ``d`` elements, at step ``t`` (1-based):
+  Per parameter, flattened to ``d`` elements, at step ``t`` (1-based):
 
   .. math::
     a = g_t + \\mathrm{dequant}(e_{t-1}), \\qquad
@@ -105,10 +112,10 @@ def scale_by_microadam(
     u = \\frac{c_1 M}{\\sqrt{c_2 S} + \\epsilon},
 
   with ``c_1 = (1 - b1) / (1 - b1^t)``, ``c_2 = (1 - b2) / (1 - b2^t)`` and
-  ``u = 0`` at entries in no row. Top-k keeps ``k = ceil(block_size *
-  density)`` entries of every block of ``block_size`` consecutive elements
-  (a tail block of ``r`` elements ``min(r, max(1, ceil(k r / block_size)))``;
-  a tensor smaller than one block is one tail block); the 4-bit quantizer is
+  ``u = 0`` at entries in no row. Top-k keeps ``ceil(n * density)``
+  entries (at least 1) of every block of ``n`` elements: ``n = block_size``
+  for the full blocks, the remainder ``d mod block_size`` for the last (a
+  tensor smaller than one block is one such block). The 4-bit quantizer is
   asymmetric with bf16 ``min``/``max`` per bucket of ``bucket_size``.
   Arithmetic is fp32 whatever the parameter dtype (fp32, bf16, fp16).
 
@@ -118,26 +125,31 @@ def scale_by_microadam(
   ``|u| -> (1 - b1^m) / sqrt(1 - b2^m)`` (about 6.5 at the defaults), so the
   steps can be larger than Adam's ``|u| <= 1``.
 
-  State per leaf: ``4 * window * K + ceil(d / 2) + 4 * n_buckets`` bytes
-  (int16 indices and bf16 values in the ring, 4-bit codes, bf16 statistics),
-  plus one int32 step count; about ``0.9 + 4 / bucket_size`` bytes per
-  parameter at window 10 and density 1% (0.904 at the defaults).
+  State per parameter: ``4 * window * K + ceil(d / 2) + 4 *
+  ceil(d / bucket_size)`` bytes (int16 indices and bf16 values in the ring,
+  4-bit codes, bf16 statistics), plus one int32 step count, with
+
+  .. math::
+    K = \\lfloor d / D \\rfloor \\lceil D \\cdot density \\rceil
+        + \\lceil (d \\bmod D) \\cdot density \\rceil, \\qquad D = block\\_size:
+
+  about ``0.9 + 4 / bucket_size`` bytes per parameter at window 10 and
+  density 1% (0.904 at the defaults).
 
   Defaults and why:
 
+  * ``window = 10``, ``density = 0.01``: the paper's.
   * ``block_size = 16384``: whole rows of 256 (64 rows), as the Pallas
     kernels read blocks; int16 block-local indices (``<= 32768``); the fused
-    update holds fp32 ``M`` and ``S`` of one block in shared memory, 128 KB of
-    the 227 KB of an H100/H200 SM (the limit is ``28672``); and a power of two
-    divides the shard sizes of sharded tensors, so no block straddles two
-    shards.
+    window update holds fp32 ``M`` and ``S`` of one block in shared memory,
+    128 KB of the 227 KB of an H100/H200 SM (the limit is ``28672``); and a
+    power of two divides the shard sizes of sharded tensors, so no block
+    straddles two shards.
   * ``bucket_size = 1024``: 4 rows of 256, so the quantizer's kernels run one
-    program per bucket (statistics, codes and packing fused) and 16 buckets
-    tile a top-k block exactly. The statistics cost ``4 / 1024 = 0.004``
-    bytes per parameter (0.4% of the state). Finer buckets buy little: top-k
+    program per bucket and 16 buckets tile a top-k block. The statistics
+    cost ``4 / 1024`` bytes per parameter. Finer buckets buy little: top-k
     already cuts the error at the block's k-th largest magnitude, which
-    bounds every bucket's range; they help only where the gradient's scale
-    changes inside a block (down to 32, at 0.125 bytes per parameter).
+    bounds every bucket's range.
 
   Args:
     b1: decay of the first moment, in ``[0, 1)``.
@@ -149,18 +161,21 @@ def scale_by_microadam(
       kernels need a multiple of 256 of at most 28672.
     bucket_size: elements per min/max statistic of the error feedback: a
       positive multiple of 256, or 32, 64 or 128.
-    implementation: ``None`` (each op's default: on a Hopper-or-newer GPU
-      the quantizer's Pallas kernels with XLA's top-k and window update, which
-      were faster there; XLA elsewhere), ``"xla"``, ``"pallas"`` or
-      ``"interpret"``; passed to every kernel.
+    implementation: ``None`` (each op's default for the device,
+      ``pallas_kernels.dispatch``), ``"xla"``, ``"pallas"`` or
+      ``"interpret"``; passed to every op.
+
+  ``window``, ``density``, ``block_size`` and ``bucket_size`` fix the
+  state's shapes: they must be Python numbers, and under
+  ``optax.inject_hyperparams`` listed in ``static_args``.
 
   Returns:
     An ``optax.GradientTransformation``.
 
   Raises:
-    ValueError: for a hyper-parameter out of range (checked when the
-      transformation is built; ``b1``, ``b2``, ``eps`` only when Python
-      numbers).
+    ValueError: for a hyper-parameter out of range or a shape-fixing one
+      given as an array (checked when the transformation is built; ``b1``,
+      ``b2``, ``eps`` only when Python numbers).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -177,35 +192,36 @@ def scale_by_microadam(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
-  _check_hyperparameters(
+  window, density, block_size, bucket_size = _check_hyperparameters(
       b1, b2, eps, window, density, block_size, bucket_size, implementation
   )
-  k = _keep_per_block(block_size, density)
-
-  def ring_shape(leaf) -> tuple[int, int]:
-    return (window, topk.selection_size(leaf.size, k=k, block_size=block_size))
 
   def init_fn(params):
-    check_param_dtypes(params, "microadam")
-    def empty_error(leaf):
-      if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
-        raise ValueError(
-            f"microadam supports real floating parameters; got a {leaf.dtype} leaf of shape"
-            f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
-        )
-      # What quantizing zeros gives (constant buckets: code 0, min = max = 0),
-      # built directly rather than computed.
-      return quantize_kernel.QuantizedArray(
-          codes=jnp.zeros((math.ceil(leaf.size * ERROR_BITS / 8),), jnp.uint8),
-          minimum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
-          maximum=jnp.zeros((quantize_kernel.num_buckets(leaf.size, bucket_size),), jnp.bfloat16),
-      )
+    leaves.check_param_dtypes(params, "microadam")
 
+    def ring(dtype):
+      def zeros(leaf):
+        kept = topk.selection_size(leaf.size, density=density, block_size=block_size)
+        return jnp.zeros((window, kept), dtype)
+
+      return jax.tree.map(zeros, params)
+
+    def zero_statistics(leaf):
+      return jnp.zeros((quantize.num_buckets(leaf.size, bucket_size),), jnp.bfloat16)
+
+    # The error of zeros as the quantizer stores it (constant buckets: code 0,
+    # min = max = 0), built directly rather than computed.
     return ScaleByMicroAdamState(
         count=jnp.zeros([], jnp.int32),
-        indices=jax.tree.map(lambda p: jnp.zeros(ring_shape(p), jnp.int16), params),
-        values=jax.tree.map(lambda p: jnp.zeros(ring_shape(p), jnp.bfloat16), params),
-        error=jax.tree.map(empty_error, params),
+        indices=ring(jnp.int16),
+        values=ring(jnp.bfloat16),
+        error=quantize.QuantizedArray(
+            codes=jax.tree.map(
+                lambda p: jnp.zeros((math.ceil(p.size * ERROR_BITS / 8),), jnp.uint8), params
+            ),
+            minimum=jax.tree.map(zero_statistics, params),
+            maximum=jax.tree.map(zero_statistics, params),
+        ),
     )
 
   def update_fn(updates, state, params=None):
@@ -213,63 +229,50 @@ def scale_by_microadam(
     count = optax.safe_increment(state.count)
     ring_row = (count - 1) % window
 
-    def update_leaf(gradient, indices, values, error):
-      size = gradient.size
-      accumulated = quantize_kernel.dequantize_add(
-          error,
+    def update_leaf(gradient, indices, values, *error):
+      # Error feedback: a = g + dequant(e).
+      accumulated = quantize.dequantize_add(
+          quantize.QuantizedArray(*error),
           gradient.reshape(-1).astype(jnp.float32),
           bits=ERROR_BITS,
           bucket_size=bucket_size,
           implementation=implementation,
       )
+      # The block top-k of |a| goes to this step's ring row.
       selected, kept = topk.block_topk(
-          accumulated, k=k, block_size=block_size, implementation=implementation
+          accumulated, density=density, block_size=block_size, implementation=implementation
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
-      # Written out once: the quantizer reads the error in two passes.
-      error = quantize_kernel.quantize(
-          _backend.written_out(
-              topk.zero_selected(accumulated, selected, kept, k=k, block_size=block_size)
-          ),
+      # What top-k left out is the next error, in 4 bits.
+      error = quantize.quantize(
+          topk.zero_selected(accumulated, selected, kept, density=density, block_size=block_size),
           bits=ERROR_BITS,
           bucket_size=bucket_size,
           stats_dtype=jnp.bfloat16,
           implementation=implementation,
       )
-      direction = update_kernel.microadam_update(
+      # M and S from the window, and the direction c1 M / (sqrt(c2 S) + eps).
+      direction = window_update.microadam_update(
           indices,
           values,
           count,
           b1,
           b2,
           eps,
-          size=size,
-          k=k,
+          size=gradient.size,
+          density=density,
           block_size=block_size,
           implementation=implementation,
       )
-      return direction.reshape(gradient.shape).astype(gradient.dtype), indices, values, error
+      direction = direction.reshape(gradient.shape).astype(gradient.dtype)
+      return (direction, indices, values, *error)
 
-    gradients, treedef = jax.tree.flatten(updates)
-    per_leaf = _backend.one_leaf_at_a_time(
-        update_leaf,
-        gradients,
-        treedef.flatten_up_to(state.indices),
-        treedef.flatten_up_to(state.values),
-        treedef.flatten_up_to(state.error),
-        # Not the ring: its rows are updated in place.
-        waiting=(0, 3),
-        # The next leaf waits for the state only: the direction is left for
-        # XLA to fuse into its consumer (the parameters' update).
-        awaited=(1, 2, 3),
+    per_leaf = jax.tree.map(update_leaf, updates, state.indices, state.values, *state.error)
+    directions, indices, values, *error = _unzip(updates, per_leaf, 6)
+    return directions, ScaleByMicroAdamState(
+        count, indices, values, quantize.QuantizedArray(*error)
     )
-    # Columns: directions, indices, values, errors (empty when every leaf is masked).
-    columns = [treedef.unflatten(column) for column in zip(*per_leaf)] or [
-        treedef.unflatten([])
-    ] * 4
-    new_updates, indices, values, error = columns
-    return new_updates, ScaleByMicroAdamState(count, indices, values, error)
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
@@ -322,6 +325,14 @@ def microadam(
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = jax.jit(opt.update)(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
+
+    Under ``optax.inject_hyperparams``, the shape-fixing arguments are static:
+
+    >>> opt = optax.inject_hyperparams(
+    ...     optax_memopt.microadam,
+    ...     static_args=("window", "density", "block_size", "bucket_size"),
+    ... )(learning_rate=1e-3)
+    >>> state = opt.init(params)
 
   References:
     Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space

@@ -2,47 +2,44 @@
 
 MicroAdam keeps no dense moments. Its state holds the last ``window`` sparse
 gradients, each the block top-k of one step: ``indices[window, K]`` (block-local,
-int16) and ``values[window, K]`` (bf16), with ``K = selection_size(d, k=k,
-block_size=D)`` entries laid out block-major as ``block_topk`` returns them
-(full block ``b`` owns entries ``[b k, (b + 1) k)``, a tail block the last
-ones). At step ``t`` (1-based) ring row ``r`` was written at step
-``t - e_r``, ``e_r = (t - 1 - r) mod window``, and only rows
-``r < min(t, window)`` have been written. This op computes, densely over the
-``d`` elements of the tensor,
+int16) and ``values[window, K]`` (bf16), with ``K = topk.selection_size(d,
+density=density, block_size=D)`` entries laid out block-major as
+``topk.block_topk`` returns them (full block ``b`` owns entries ``[b k, (b + 1)
+k)``, ``k = topk.entries_kept(D, density)``; a tail block the last ones). At
+step ``t`` (1-based) ring row ``r`` was written at step ``t - e_r``, ``e_r =
+(t - 1 - r) mod window``, and only rows ``r < min(t, window)`` have been
+written. This op computes, densely over the ``d`` elements of the tensor,
 
 .. math::
-  M = \\sum_r c_1 \\beta_1^{e_r}\\, \\mathrm{scatter}(idx_r, val_r), \\qquad
-  S = \\sum_r c_2 \\beta_2^{e_r}\\, \\mathrm{scatter}(idx_r, val_r^2),
+  M = c_1 \\sum_r \\beta_1^{e_r}\\, \\mathrm{scatter}(idx_r, val_r), \\qquad
+  S = c_2 \\sum_r \\beta_2^{e_r}\\, \\mathrm{scatter}(idx_r, val_r^2),
 
   u = \\frac{M}{\\sqrt{S} + \\epsilon}, \\qquad
   c_1 = \\frac{1 - \\beta_1}{1 - \\beta_1^t}, \\quad
   c_2 = \\frac{1 - \\beta_2}{1 - \\beta_2^t},
 
-with ``u = 0`` where no row has an entry (``S = 0``). The bias corrections
-``c1`` and ``c2`` are folded into the per-row weights (``window_weights``), so
-both implementations see one ``[2, window]`` array of weights and ``eps``.
+with ``u = 0`` where no row has an entry (``S = 0``).
 
-Implementations (``implementation=``):
+``microadam_update_reference`` is this formula in plain jnp, row by row. The
+implementations of ``microadam_update`` (``implementation=``) fold ``c_1`` and
+``c_2`` into per-row weights (``window_weights``):
 
-* ``"xla"``: the reference. One scatter-add of every ring row at once into a
-  dense ``[d, 2]`` accumulator (``M`` and ``S`` side by side), then the
-  elementwise update.
+* ``"xla"``: one scatter-add of every ring row at once into a dense ``[d, 2]``
+  accumulator (``M`` and ``S`` side by side), then the elementwise update.
 * ``"pallas"``: a Mosaic GPU kernel, one program per top-k block (as the
   reference CUDA kernel ``compute_microadam_update``): fp32 ``M`` and ``S``
   for the block live in shared memory (8 bytes per element, so a block of at
   most ``MAX_KERNEL_BLOCK_SIZE`` fits the 227 KB of an H100/H200 SM); the
   ring rows are scattered into them one entry at a time by scalar index
-  (Mosaic GPU has no gather/scatter by index array; the scalar
-  read-modify-write is made safe for the whole warpgroup by the barriers
-  Pallas inserts around shared-memory stores), then the block is written
-  densely as rows of 256. Block sizes must be whole rows of 256. The
-  scalar loop (two read-modify-writes and two barriers per entry, ``window *
-  k`` entries per block) is the price of expressing the scatter in Mosaic
-  GPU, and it is high: on an H200 MicroAdam's step with this kernel took
-  35 ms against 7.6 ms with XLA's scatter (40M parameters, JAX 0.11.2).
+  (Mosaic GPU has no gather/scatter by index array; Pallas puts barriers
+  around the shared-memory stores, which makes the scalar read-modify-write
+  safe for the warpgroup), then the block is written densely as rows of 256.
+  Block sizes must be whole rows of 256.
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: ``"xla"`` everywhere, until the kernel scatters in parallel;
-  ``"pallas"`` runs it on request.
+* ``None``: the default of ``dispatch.FASTER_ON_HOPPER["microadam_update"]``:
+  XLA, as the kernel's serial scatter (two read-modify-writes and two
+  barriers per entry) made MicroAdam's step 4.6 times slower on an H200
+  (``benchmarks/README.md``).
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -62,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
+from pallas_kernels import static_args
 from pallas_kernels import topk
 
 KERNEL_ROW = 256
@@ -152,6 +150,37 @@ def flat_positions(indices: jax.Array, *, k: int, block_size: int) -> jax.Array:
   return block * block_size + indices.astype(jnp.int32)
 
 
+def microadam_update_reference(
+    indices: jax.Array,
+    values: jax.Array,
+    count: jax.typing.ArrayLike,
+    b1: jax.typing.ArrayLike,
+    b2: jax.typing.ArrayLike,
+    eps: jax.typing.ArrayLike,
+    *,
+    size: int,
+    density: float,
+    block_size: int,
+) -> jax.Array:
+  """``microadam_update`` in plain jnp: the module docstring's formula, ring row by ring row."""
+  window = indices.shape[0]
+  t = jnp.asarray(count, jnp.int32)
+  b1, b2, eps = (jnp.asarray(h, jnp.float32) for h in (b1, b2, eps))
+  positions = flat_positions(indices, k=topk.entries_kept(block_size, density), block_size=block_size)
+  values = values.astype(jnp.float32)
+  first = jnp.zeros((size,), jnp.float32)
+  second = jnp.zeros((size,), jnp.float32)
+  for row in range(window):
+    age = jnp.mod(t - 1 - row, window).astype(jnp.float32)
+    written = row < jnp.minimum(t, window)
+    first = first.at[positions[row]].add(jnp.where(written, b1**age, 0.0) * values[row])
+    second = second.at[positions[row]].add(jnp.where(written, b2**age, 0.0) * values[row] ** 2)
+  t = t.astype(jnp.float32)
+  first = first * (1 - b1) / (1 - b1**t)
+  second = second * (1 - b2) / (1 - b2**t)
+  return jnp.where(second == 0, 0.0, first / (jnp.sqrt(second) + eps))
+
+
 def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   window, n_entries = indices.shape
   positions = flat_positions(indices, k=k, block_size=block_size)
@@ -160,7 +189,7 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
       [weights[0][:, None] * values, weights[1][:, None] * values**2], axis=-1
   )
   moments = (
-      _backend.zeros_after((size, 2), jnp.float32, after=contributions)
+      jnp.zeros((size, 2), jnp.float32)
       .at[positions.reshape(-1)]
       .add(contributions.reshape(window * n_entries, 2))
   )
@@ -260,11 +289,12 @@ def _update_pallas(indices, values, weights, eps, *, size, block_size, k, interp
 
 
 @functools.partial(
-    jax.jit, static_argnames=("size", "block_size", "k", "implementation")
+    jax.jit, static_argnames=("size", "density", "block_size", "implementation")
 )
 def _microadam_update(
-    indices, values, count, b1, b2, eps, *, size, block_size, k, implementation
+    indices, values, count, b1, b2, eps, *, size, density, block_size, implementation
 ):
+  k = topk.entries_kept(block_size, density)
   weights = window_weights(count, b1, b2, window=indices.shape[0])
   eps = jnp.asarray(eps, jnp.float32)
   if implementation == "xla":
@@ -304,7 +334,7 @@ def microadam_update(
     eps: jax.typing.ArrayLike,
     *,
     size: int,
-    k: int,
+    density: float,
     block_size: int,
     implementation: dispatch.Implementation = None,
 ) -> jax.Array:
@@ -329,18 +359,18 @@ def microadam_update(
     b2: decay of the second moment, in ``[0, 1)``.
     eps: added to ``sqrt(S)``, ``>= 0``.
     size: number of elements ``d`` of the (flattened) tensor.
-    k: entries per full top-k block; ``K = topk.selection_size(size, k=k,
-      block_size=block_size)``.
+    density: the top-k's fraction kept per block; ``K =
+      topk.selection_size(size, density=density, block_size=block_size)``.
     block_size: elements per top-k block; the Pallas kernel needs a multiple
       of 256 of at most ``MAX_KERNEL_BLOCK_SIZE``.
-    implementation: ``None`` (XLA, faster than the kernel so far, see the
-      module docstring), ``"xla"``, ``"pallas"`` or ``"interpret"``.
+    implementation: ``None`` (the op's default, ``dispatch``), ``"xla"``,
+      ``"pallas"`` or ``"interpret"``.
 
   Returns:
     The float32 update, flat, of shape ``(size,)``.
 
   Raises:
-    ValueError: for shapes that do not match ``size``, ``k`` and
+    ValueError: for shapes that do not match ``size``, ``density`` and
       ``block_size``, an unknown ``implementation``, or a Pallas
       implementation asked for a block size it does not support.
 
@@ -349,8 +379,8 @@ def microadam_update(
     >>> from pallas_kernels.microadam_update import microadam_update
     >>> indices = jnp.array([[1, 0], [0, 0]], jnp.int16)  # one block of 2 per row
     >>> values = jnp.array([[-2.0, 4.0], [0.0, 0.0]], jnp.bfloat16)
-    >>> microadam_update(indices, values, 1, 0.9, 0.999, 0.0, size=3, k=1,
-    ...                  block_size=2)  # step 1: Adam's sign(g)
+    >>> microadam_update(indices, values, 1, 0.9, 0.999, 0.0, size=3,
+    ...                  density=0.5, block_size=2)  # step 1: Adam's sign(g)
     Array([ 0., -1.,  1.], dtype=float32)
 
   References:
@@ -358,11 +388,12 @@ def microadam_update(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
-  n_entries = topk.selection_size(size, k=k, block_size=block_size)
+  density = static_args.check_fraction("density", density)
+  n_entries = topk.selection_size(size, density=density, block_size=block_size)
   if indices.ndim != 2 or indices.shape[1] != n_entries:
     raise ValueError(
         f"indices must have shape [window, {n_entries}] for size={size},"
-        f" k={k}, block_size={block_size}; got {indices.shape}."
+        f" density={density}, block_size={block_size}; got {indices.shape}."
     )
   if values.shape != indices.shape:
     raise ValueError(
@@ -384,8 +415,8 @@ def microadam_update(
       b2,
       eps,
       size=size,
+      density=density,
       block_size=block_size,
-      k=k,
       implementation=resolved,
   )
 
@@ -398,10 +429,9 @@ def lowering_examples() -> list[_backend.LoweringExample]:
       (2 * MAX_KERNEL_BLOCK_SIZE, MAX_KERNEL_BLOCK_SIZE, 10),
       (300, 16384, 3),  # smaller than one block
   ):
-    k = -(-block_size // 100)
-    n_entries = topk.selection_size(size, k=k, block_size=block_size)
+    n_entries = topk.selection_size(size, density=0.01, block_size=block_size)
     fn = functools.partial(
-        microadam_update, size=size, k=k, block_size=block_size, implementation="pallas"
+        microadam_update, size=size, density=0.01, block_size=block_size, implementation="pallas"
     )
     ring = jax.ShapeDtypeStruct((window, n_entries), jnp.int16)
     examples.append(

@@ -1,9 +1,17 @@
 """Block top-k by magnitude: MicroAdam's sparse gradient selection.
 
-A flat array (any input shape, flattened) is cut into blocks of ``block_size``
-consecutive elements; the last, tail block of ``r < block_size`` elements may
-be shorter. Each full block keeps the ``k`` entries of largest ``|x|``, the
-tail block keeps ``k_tail = min(r, max(1, ceil(k * r / block_size)))``.
+A flat array (any input shape, flattened) of ``d`` elements is cut into
+blocks of ``D = block_size`` consecutive elements; the last, tail block of
+``r = d mod D`` elements may be shorter. A block of ``n`` elements keeps its
+
+.. math::
+  \\operatorname{keep}(n) = \\min(n, \\max(1, \\lceil n \\cdot density \\rceil))
+
+entries of largest ``|x|``: ``k = keep(D)`` per full block and ``keep(r)``
+for the tail, as the reference implementation does (``k_block_size_many``
+and ``k_block_size_few`` in ISTA-DASLab-Optimizers' ``micro_adam.py``). The
+product is rounded to 9 decimals before the ceiling, so that float noise
+(``100 * 0.07 = 7.000000000000001``) does not keep one entry more.
 
 Order and ties. Entries are ranked by their *magnitude key*: the bits of
 ``|x|`` as float32, read as an int32 (``float32(x)`` bits with the sign bit
@@ -15,36 +23,38 @@ selects exactly the same set. Narrower floats (bf16, fp16, fp8) are ranked by
 the key of their exact float32 upcast; float64 (only with ``jax_enable_x64``)
 by its float32 rounding, and only the XLA implementation takes it.
 
-Implementations (``implementation=``):
+``block_topk_reference`` states the selection in a few lines (``lax.top_k``
+per block). The implementations of ``block_topk`` (``implementation=``):
 
-* ``"xla"``: the reference. ``lax.top_k`` on the keys of a
-  ``[n_blocks, block_size]`` view (``lax.top_k`` puts the lower index first
-  among equal keys), then the selected indices sorted ascending; the tail
-  block separately. The keys go to ``lax.top_k`` as float32 bit patterns
-  (the same order; XLA:CPU's fast top-k is for floats only), and at low
-  density in two exact stages: the top k groups of ``g`` entries by their
-  maximum key, then the top k of those ``k g`` candidates.
+* ``"xla"``: the reference's selection, tuned: ``lax.top_k`` sees the keys
+  as float32 bit patterns (the same order; XLA:CPU's partial-sort top-k is
+  for floats only), and at low density runs in two exact stages: the top
+  ``k`` groups of ``g`` entries by their maximum key, then the top ``k`` of
+  those ``k g`` candidates.
 * ``"pallas"``: neither Mosaic GPU nor Triton lowers sort or top-k inside a
   kernel, so the selection is split in two. A Mosaic GPU kernel (a grid over
   blocks, each block read as rows of 256) finds each block's threshold ``T``,
   the k-th largest key, by a 31-step bisection on the key bits, and how many
   entries equal to ``T`` are taken (``k - #{key > T}``). Compacting the
   selected entries densely needs a prefix sum, which Mosaic GPU lacks, so it
-  runs in XLA from the per-block thresholds (cumsum + scatter).
-  The kernel supports block sizes that are multiples of ``KERNEL_ROW = 256``
-  (a block is whole rows of 256); any tail is zero padded to whole rows,
-  which never changes its selection. Other block sizes, and float64 input,
-  raise ``ValueError``.
+  runs in XLA from the per-block thresholds (cumsum + scatter). Block sizes
+  must be multiples of ``KERNEL_ROW = 256``; a tail is zero padded to whole
+  rows, which never changes its selection. Float64 input is refused.
 * ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: ``"xla"`` everywhere. On an H200 (JAX 0.11.2, 32M float32
-  elements in blocks of 16384, k = 164) XLA's ``TopK`` took 0.77 ms and the
-  kernel 2.2 ms: its 31 bisection steps each sweep the block in shared
-  memory. ``"pallas"`` runs it on request.
+* ``None``: the default of ``dispatch.FASTER_ON_HOPPER["block_topk"]``: XLA,
+  whose ``TopK`` was about 3x faster than the kernel's 31 sweeps per block on
+  an H200 (``benchmarks/README.md``).
+
+References:
+  Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
+  Overhead and Provable Convergence", NeurIPS 2024,
+  https://arxiv.org/abs/2405.15593
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import jax
@@ -53,12 +63,11 @@ from jax import lax
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
+from pallas_kernels import static_args
 
 KERNEL_ROW = 256
-# Block-local indices are stored as int16 up to this block size, int32 above.
-_MAX_INT16_BLOCK_SIZE = 2**15
-# The largest block whose local indices (0 .. block_size - 1) fit in int32.
-_MAX_BLOCK_SIZE = 2**31
+# Block-local indices (0 .. block_size - 1) must fit in int32.
+MAX_BLOCK_SIZE = 2**31
 # Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
 _KEY_BITS = 31
 
@@ -73,18 +82,13 @@ def as_python_int(value, name: str) -> int:
     raise ValueError(f"{name} must be an int; got {value!r}.") from None
 
 
-def _check_block_params(k: int, block_size: int) -> tuple[int, int]:
-  """``(k, block_size)`` as Python ints, or a ``ValueError`` naming the culprit."""
-  block_size = as_python_int(block_size, "block_size")
-  if not 1 <= block_size <= _MAX_BLOCK_SIZE:
-    raise ValueError(
-        f"block_size must be in [1, {_MAX_BLOCK_SIZE}] (block-local indices"
-        f" must fit in int32); got {block_size}."
-    )
-  k = as_python_int(k, "k")
-  if not 1 <= k <= block_size:
-    raise ValueError(f"k must be in [1, block_size={block_size}]; got {k}.")
-  return k, block_size
+def _check_block_params(density, block_size) -> tuple[float, int]:
+  """``(density, block_size)`` as Python numbers, or a ``ValueError`` naming the culprit."""
+  density = static_args.check_fraction("density", density)
+  block_size = static_args.check_int(
+      "block_size", block_size, 1, MAX_BLOCK_SIZE, hint=" (block-local indices fit in int32)"
+  )
+  return density, block_size
 
 
 def _float_array(x) -> jax.Array:
@@ -95,25 +99,32 @@ def _float_array(x) -> jax.Array:
   return x
 
 
-def _tail_k(tail: int, *, k: int, block_size: int) -> int:
-  """Entries kept from a tail block of ``tail`` elements (0 if there is none)."""
-  if tail == 0:
+def entries_kept(length: int, density: float) -> int:
+  """``keep(n) = min(n, max(1, ceil(n * density)))`` entries of a block of ``n`` elements; 0 if ``n = 0``.
+
+  Examples:
+    >>> from pallas_kernels.topk import entries_kept
+    >>> entries_kept(512, 0.05), entries_kept(456, 0.05), entries_kept(100, 0.07)
+    (26, 23, 7)
+  """
+  if length == 0:
     return 0
-  return min(tail, max(1, -(-k * tail // block_size)))
+  # Rounded first: 100 * 0.07 is 7.000000000000001 in floats.
+  return min(length, max(1, math.ceil(round(length * density, 9))))
 
 
-def selection_size(size: int, *, k: int, block_size: int) -> int:
+def selection_size(size: int, *, density: float, block_size: int) -> int:
   """Number of entries ``block_topk`` keeps from ``size`` elements.
 
   .. math::
-    n = \\lfloor d / D \\rfloor k + \\min(r, \\max(1, \\lceil k r / D \\rceil)),
-    \\qquad r = d \\bmod D
+    K = \\lfloor d / D \\rfloor \\operatorname{keep}(D) + \\operatorname{keep}(d \\bmod D),
+    \\qquad \\operatorname{keep}(n) = \\min(n, \\max(1, \\lceil n \\cdot density \\rceil)),
 
-  with ``d = size``, ``D = block_size``; the tail term is 0 when ``r = 0``.
+  with ``d = size``, ``D = block_size`` and ``keep(0) = 0``.
 
   Args:
     size: number of elements of the flattened input, ``>= 0``.
-    k: entries kept per full block, in ``[1, block_size]``.
+    density: fraction of each block kept, in ``(0, 1]``.
     block_size: elements per block, in ``[1, 2**31]``.
 
   Returns:
@@ -121,15 +132,13 @@ def selection_size(size: int, *, k: int, block_size: int) -> int:
 
   Examples:
     >>> from pallas_kernels.topk import selection_size
-    >>> selection_size(10, k=2, block_size=4)  # two blocks of 4, a tail of 2
-    5
+    >>> selection_size(1000, density=0.05, block_size=512)  # 26 + ceil(24.4)
+    51
   """
-  k, block_size = _check_block_params(k, block_size)
-  size = as_python_int(size, "size")
-  if size < 0:
-    raise ValueError(f"size must be a non-negative int; got {size}.")
+  density, block_size = _check_block_params(density, block_size)
+  size = static_args.check_int("size", size, 0)
   full_blocks, tail = divmod(size, block_size)
-  return full_blocks * k + _tail_k(tail, k=k, block_size=block_size)
+  return full_blocks * entries_kept(block_size, density) + entries_kept(tail, density)
 
 
 def magnitude_key(x: jax.Array) -> jax.Array:
@@ -141,6 +150,41 @@ def magnitude_key(x: jax.Array) -> jax.Array:
   """
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   return (bits & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
+
+
+def _block_parts(flat: jax.Array, *, density: float, block_size: int) -> list[tuple[jax.Array, int]]:
+  """The full blocks ``[n, block_size]`` and the tail block ``[1, r]`` of ``flat``, each with its keep."""
+  full_blocks, tail = divmod(flat.size, block_size)
+  parts = []
+  if full_blocks:
+    blocks = flat[: full_blocks * block_size].reshape(full_blocks, block_size)
+    parts.append((blocks, entries_kept(block_size, density)))
+  if tail:
+    parts.append((flat[full_blocks * block_size :].reshape(1, tail), entries_kept(tail, density)))
+  return parts
+
+
+def block_topk_reference(
+    x: jax.Array, *, density: float, block_size: int
+) -> tuple[jax.Array, jax.Array]:
+  """``block_topk`` in plain jnp: ``lax.top_k`` of the magnitude keys, block by block.
+
+  ``lax.top_k`` puts the lower index first among equal keys, which is the
+  tie rule; the chosen indices are then sorted ascending within each block.
+  """
+  flat = jnp.asarray(x).reshape(-1)
+  indices, values = [], []
+  for blocks, keep in _block_parts(flat, density=density, block_size=block_size):
+    _, chosen = lax.top_k(magnitude_key(blocks), keep)
+    chosen = jnp.sort(chosen, axis=1)
+    indices.append(chosen.reshape(-1))
+    values.append(jnp.take_along_axis(blocks, chosen, axis=1).reshape(-1))
+  if not indices:
+    return jnp.zeros((0,), static_args.index_dtype(block_size)), jnp.zeros((0,), flat.dtype)
+  return (
+      jnp.concatenate(indices).astype(static_args.index_dtype(block_size)),
+      jnp.concatenate(values),
+  )
 
 
 def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
@@ -220,7 +264,7 @@ def _as_float_key(keys: jax.Array) -> jax.Array:
   Non-negative int32 keys are the bits of non-negative floats (a NaN key of a
   positive NaN), and ``lax.top_k`` orders floats totally, by their bits for
   non-negative ones: the same order and ties. XLA:CPU runs ``top_k`` on
-  float32 as a partial sort, but on int32 as a full sort, >10x slower.
+  float32 as a partial sort, but on int32 as a full sort.
   """
   return lax.bitcast_convert_type(keys, jnp.float32)
 
@@ -272,38 +316,21 @@ def _select_pallas(blocks: jax.Array, k: int, *, interpret: bool) -> jax.Array:
   return _compact(magnitude_key(blocks), threshold, ties, k)
 
 
-def _select(blocks: jax.Array, k: int, implementation: str) -> jax.Array:
-  """Ascending int32 indices ``[n_blocks, k]`` of each row's top-k by key."""
-  if implementation == "xla":
-    return _select_xla(blocks, k)
-  return _select_pallas(blocks, k, interpret=implementation == "interpret")
-
-
-def _block_parts(flat: jax.Array, *, k: int, block_size: int) -> list[tuple[jax.Array, int]]:
-  """The full blocks ``[n, block_size]`` and the tail block ``[1, r]`` of ``flat``, each with its k."""
-  full_blocks, tail = divmod(flat.size, block_size)
-  parts = []
-  if full_blocks:
-    parts.append((flat[: full_blocks * block_size].reshape(full_blocks, block_size), k))
-  if tail:
-    tail_k = _tail_k(tail, k=k, block_size=block_size)
-    parts.append((flat[full_blocks * block_size :].reshape(1, tail), tail_k))
-  return parts
-
-
-@functools.partial(jax.jit, static_argnames=("k", "block_size", "implementation"))
+@functools.partial(jax.jit, static_argnames=("density", "block_size", "implementation"))
 def _block_topk(
-    x: jax.Array, *, k: int, block_size: int, implementation: str
+    x: jax.Array, *, density: float, block_size: int, implementation: str
 ) -> tuple[jax.Array, jax.Array]:
-  parts = _block_parts(x.reshape(-1), k=k, block_size=block_size)
-  index_dtype = jnp.int16 if block_size <= _MAX_INT16_BLOCK_SIZE else jnp.int32
-  if not parts:
-    return jnp.zeros((0,), index_dtype), jnp.zeros((0,), x.dtype)
+  index_dtype = static_args.index_dtype(block_size)
   indices, values = [], []
-  for blocks, keep in parts:
-    selected = _select(blocks, keep, implementation)
+  for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
+    if implementation == "xla":
+      selected = _select_xla(blocks, keep)
+    else:
+      selected = _select_pallas(blocks, keep, interpret=implementation == "interpret")
     indices.append(selected.astype(index_dtype).reshape(-1))
     values.append(jnp.take_along_axis(blocks, selected, axis=1).reshape(-1))
+  if not indices:
+    return jnp.zeros((0,), index_dtype), jnp.zeros((0,), x.dtype)
   return jnp.concatenate(indices), jnp.concatenate(values)
 
 
@@ -325,48 +352,49 @@ def _kernel_unsupported_reason(x: jax.Array, block_size: int) -> str | None:
 def block_topk(
     x: jax.Array,
     *,
-    k: int,
+    density: float,
     block_size: int,
     implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """The ``k`` entries of largest magnitude in every block of ``block_size``.
+  """The ``density`` fraction of largest magnitudes in every block of ``block_size``.
 
-  With ``x`` flattened to ``d`` elements and cut into blocks of ``D``, full
-  block ``b`` keeps
+  With ``x`` flattened to ``d`` elements and cut into blocks of ``D``, block
+  ``b`` of ``n`` elements (``n = D``, or ``d mod D`` for the tail) keeps
 
   .. math::
-    S_b = \\operatorname{top\\text{-}k}_{i \\in [0, D)} |x_{bD + i}|,
+    S_b = \\operatorname{top\\text{-}keep(n)}_{0 \\le i < n} |x_{bD + i}|,
+    \\qquad \\operatorname{keep}(n) = \\min(n, \\max(1, \\lceil n \\cdot density \\rceil)),
 
-  ties toward the lower ``i``; a tail block of ``r = d mod D`` elements keeps
-  ``min(r, max(1, ceil(k r / D)))``. Magnitudes are ranked as float32 with
-  NaNs above infinities (see the module docstring).
+  ties toward the lower ``i``. Magnitudes are ranked as float32 with NaNs
+  above infinities (see the module docstring).
 
   Args:
     x: a float array of any shape; it is flattened.
-    k: entries kept per full block, in ``[1, block_size]``.
+    density: fraction of each block kept, in ``(0, 1]``.
     block_size: elements per block, in ``[1, 2**31]``; the Pallas kernel
       needs a multiple of 256.
-    implementation: ``None`` (XLA, faster than the kernel so far, see the
-      module docstring), ``"xla"``, ``"pallas"`` or ``"interpret"``;
-      ``"pallas"`` and ``"interpret"`` raise for what the kernel cannot do.
+    implementation: ``None`` (the op's default, ``dispatch``), ``"xla"``,
+      ``"pallas"`` or ``"interpret"``; ``"pallas"`` and ``"interpret"``
+      raise for what the kernel cannot do, ``None`` then takes XLA.
 
   Returns:
-    ``(indices, values)``, both of shape ``(selection_size(x.size, k=k,
-    block_size=block_size),)``, block-major and within a block by ascending
-    index. ``indices`` are block-local (``0 <= i < D``), int16 when
-    ``block_size <= 32768`` and int32 above; ``values = x[b * D + i]`` keep
-    ``x.dtype`` and their sign.
+    ``(indices, values)``, both of shape ``(selection_size(x.size,
+    density=density, block_size=block_size),)``, block-major and within a
+    block by ascending index. ``indices`` are block-local (``0 <= i < D``),
+    int16 when ``block_size <= 32768`` and int32 above; ``values = x[b * D +
+    i]`` keep ``x.dtype`` and their sign.
 
   Raises:
-    ValueError: for ``k`` or ``block_size`` out of range, non-float ``x``, an
-      unknown ``implementation``, or a Pallas implementation asked for a block
-      size or dtype the kernel does not support.
+    ValueError: for ``density`` or ``block_size`` out of range (or traced),
+      non-float ``x``, an unknown ``implementation``, or a Pallas
+      implementation asked for a block size or dtype the kernel does not
+      support.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_kernels.topk import block_topk
     >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
-    >>> indices, values = block_topk(x, k=2, block_size=4)
+    >>> indices, values = block_topk(x, density=0.5, block_size=4)
     >>> indices
     Array([1, 3, 1, 3, 0], dtype=int16)
     >>> values
@@ -377,7 +405,7 @@ def block_topk(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
-  k, block_size = _check_block_params(k, block_size)
+  density, block_size = _check_block_params(density, block_size)
   x = _float_array(x)
   resolved = dispatch.resolve("block_topk", implementation)
   unsupported = _kernel_unsupported_reason(x, block_size)
@@ -385,17 +413,17 @@ def block_topk(
     if implementation is not None:
       raise ValueError(unsupported)
     resolved = "xla"
-  return _block_topk(x, k=k, block_size=block_size, implementation=resolved)
+  return _block_topk(x, density=density, block_size=block_size, implementation=resolved)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_size"))
+@functools.partial(jax.jit, static_argnames=("density", "block_size"))
 def _zero_selected(
-    x: jax.Array, indices: jax.Array, values: jax.Array, *, k: int, block_size: int
+    x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
 ) -> jax.Array:
   keys = magnitude_key(values)
   local = indices.astype(jnp.int32)
   masks, start = [], 0
-  for blocks, keep in _block_parts(x.reshape(-1), k=k, block_size=block_size):
+  for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
     end = start + blocks.shape[0] * keep
     kept_keys = keys[start:end].reshape(-1, keep)
     kept_local = local[start:end].reshape(-1, keep)
@@ -409,16 +437,16 @@ def _zero_selected(
   if not masks:
     return x
   # The masks, not zeroed blocks, are put back together: the result is then a
-  # select over x itself, which SPMD partitioning shards like x. Assembled
-  # from the blocks' views, it was replicated wherever the blocks did not
-  # split over the devices (MicroAdam's 4-bit error, on 8 CPU devices).
+  # select over x itself, which SPMD partitioning shards like x (zeroed
+  # blocks put back together were replicated where blocks do not split over
+  # the devices).
   return jnp.where(jnp.concatenate(masks).reshape(x.shape), jnp.zeros((), x.dtype), x)
 
 
 def zero_selected(
-    x: jax.Array, indices: jax.Array, values: jax.Array, *, k: int, block_size: int
+    x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
 ) -> jax.Array:
-  """``x`` with the entries ``block_topk(x, k=k, block_size=block_size)`` selected set to 0.
+  """``x`` with the entries ``block_topk(x, density=density, block_size=block_size)`` selected set to 0.
 
   The selection of each block is exactly the keys above its smallest
   selected key ``T`` and the keys equal to ``T`` up to the last selected
@@ -428,36 +456,35 @@ def zero_selected(
     x_i \\leftarrow 0 \\quad \\text{if} \\quad |x_i| > T_b \\;\\text{or}\\;
     (|x_i| = T_b \\;\\text{and}\\; i \\le i^{\\mathrm{tie}}_b),
 
-  with ``T_b`` and ``i^tie_b`` read from the ``k`` selected entries of block
-  ``b`` (magnitudes ranked as in ``block_topk``). This is a scatter of zeros
-  at the selected positions without the scatter, for which XLA copies ``x``
-  into a new buffer: on the CPU it cut the temporary memory of MicroAdam's
-  step by a third (``benchmarks/README.md``).
+  with ``T_b`` and ``i^tie_b`` read from the entries selected in block ``b``
+  (magnitudes ranked as in ``block_topk``): the scatter of zeros at the
+  selected positions without a scatter, for which XLA would copy ``x`` into
+  a new buffer.
 
   Args:
     x: the float array ``block_topk`` ranked (any shape; flattened).
     indices: the block-local indices ``block_topk`` returned for ``x``.
     values: the values ``block_topk`` returned for ``x``.
-    k: entries kept per full block, as given to ``block_topk``.
+    density: fraction of each block kept, as given to ``block_topk``.
     block_size: elements per block, as given to ``block_topk``.
 
   Returns:
     ``x`` with the selected entries replaced by 0, same shape and dtype.
 
   Raises:
-    ValueError: for ``k`` or ``block_size`` out of range, a non-float ``x``,
-      ``values`` of another dtype than ``x``, or ``indices`` and ``values``
-      not of the selection's size.
+    ValueError: for ``density`` or ``block_size`` out of range, a non-float
+      ``x``, ``values`` of another dtype than ``x``, or ``indices`` and
+      ``values`` not of the selection's size.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> from pallas_kernels.topk import block_topk, zero_selected
     >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
-    >>> indices, values = block_topk(x, k=2, block_size=4)
-    >>> zero_selected(x, indices, values, k=2, block_size=4).tolist()
+    >>> indices, values = block_topk(x, density=0.5, block_size=4)
+    >>> zero_selected(x, indices, values, density=0.5, block_size=4).tolist()
     [0.5, 0.0, 1.0, 0.0, -0.25, 0.0, 0.0, 0.0, 0.0, -7.0]
   """
-  k, block_size = _check_block_params(k, block_size)
+  density, block_size = _check_block_params(density, block_size)
   x = _float_array(x)
   if jnp.result_type(values) != x.dtype:
     # Thresholds read from rounded values would zero the wrong entries.
@@ -465,24 +492,23 @@ def zero_selected(
         f"values must have x's dtype {x.dtype}, as block_topk returns them; got"
         f" {jnp.result_type(values)}."
     )
-  expected = (selection_size(x.size, k=k, block_size=block_size),)
+  expected = (selection_size(x.size, density=density, block_size=block_size),)
   if jnp.shape(indices) != expected or jnp.shape(values) != expected:
     raise ValueError(
         f"indices and values must have shape {expected}, as block_topk returns for"
-        f" x of size {x.size}, k={k}, block_size={block_size}; got"
+        f" x of size {x.size}, density={density}, block_size={block_size}; got"
         f" {jnp.shape(indices)} and {jnp.shape(values)}."
     )
-  return _zero_selected(x, indices, values, k=k, block_size=block_size)
+  return _zero_selected(x, indices, values, density=density, block_size=block_size)
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:
-  """The threshold kernel at MicroAdam's block sizes, with k = 1% and a tail."""
+  """The threshold kernel at MicroAdam's block sizes, at density 1%, with a tail."""
   examples = []
   for block_size, dtype in ((16384, jnp.float32), (28672, jnp.bfloat16)):
-    k = -(-block_size // 100)
     size = 4 * block_size + 1000  # four full blocks and a padded tail block
     fn = functools.partial(
-        block_topk, k=k, block_size=block_size, implementation="pallas"
+        block_topk, density=0.01, block_size=block_size, implementation="pallas"
     )
     examples.append(
         _backend.LoweringExample(

@@ -27,6 +27,15 @@ def fresh_seed():
 # -- the spec in numpy ----------------------------------------------------------
 
 
+def documented_keep(length: int, density: float) -> int:
+  """Top-k's rule: a block of ``n`` elements keeps ``min(n, max(1, ceil(n * density)))``.
+
+  The product is rounded to 9 decimals first, as documented (float noise).
+  """
+  return min(length, max(1, math.ceil(round(length * density, 9)))) if length else 0
+
+
+
 def bf16_outward(x: np.ndarray, *, upward: bool) -> np.ndarray:
   """float32 ``x`` rounded to bf16 toward +inf (``upward``) or -inf, as float32."""
   nearest = x.astype(BF16)
@@ -71,12 +80,11 @@ class NumpyMicroAdam:
   """
 
   def __init__(self, size, *, window, density, block_size, bucket_size, b1, b2, eps):
-    k = math.ceil(block_size * density)
     full_blocks, tail = divmod(size, block_size)
     # (first element, length, entries kept) per top-k block.
-    self.blocks = [(b * block_size, block_size, k) for b in range(full_blocks)]
+    self.blocks = [(b * block_size, block_size, documented_keep(block_size, density)) for b in range(full_blocks)]
     if tail:
-      self.blocks.append((full_blocks * block_size, tail, min(tail, max(1, math.ceil(k * tail / block_size)))))
+      self.blocks.append((full_blocks * block_size, tail, documented_keep(tail, density)))
     self.window, self.bucket_size = window, bucket_size
     self.b1, self.b2, self.eps = b1, b2, eps
     self.error = np.zeros(size, np.float32)
@@ -117,6 +125,12 @@ class NumpyMicroAdam:
 
 
 # -- tests ----------------------------------------------------------------------
+
+
+def leaf_error(state, name) -> quantize.QuantizedArray:
+  """One parameter's error feedback from the state's three parameter-shaped trees."""
+  return quantize.QuantizedArray(*(field[name] for field in state.error))
+
 
 SHAPES = {"kernel": (24, 40), "bias": (40,), "small": (5, 7)}
 
@@ -171,7 +185,7 @@ def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, dens
             np.asarray(state.values[name][row]).view(np.uint16), values.view(np.uint16), err_msg=message
         )
       error = quantize.dequantize(
-          state.error[name], size=reference.error.size, bits=4, bucket_size=bucket_size
+          leaf_error(state, name), size=reference.error.size, bits=4, bucket_size=bucket_size
       )
       np.testing.assert_allclose(np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=message)
 
@@ -197,7 +211,7 @@ def test_ties_at_the_threshold_zero_the_selected_entries_only(kind):
       grad = np.where(rng.random(1000) < 0.05, grad, 0.0).astype(np.float32)
     _, state = jax.jit(opt.update)({"w": jnp.asarray(grad)}, state)
     reference.step(grad)
-    error = quantize.dequantize(state.error["w"], size=1000, bits=4, bucket_size=bucket_size)
+    error = quantize.dequantize(leaf_error(state, "w"), size=1000, bits=4, bucket_size=bucket_size)
     np.testing.assert_allclose(
         np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}"
     )
@@ -250,16 +264,16 @@ def test_error_feedback_respects_the_quantizer_bound():
   for t in range(1, 5):
     gradient = rng.normal(size=(24, 40)).astype(np.float32) * 10.0 ** rng.uniform(-3, 1)
     gradient.reshape(-1)[:bucket_size] = 0  # bucket 0 stays constant (all zeros)
-    previous = quantize.dequantize(state.error["w"], size=960, bits=4, bucket_size=bucket_size)
+    previous = quantize.dequantize(leaf_error(state, "w"), size=960, bits=4, bucket_size=bucket_size)
     _, state = opt.update({"w": jnp.asarray(gradient)}, state)
     accumulated = gradient.reshape(-1) + np.asarray(previous)
     row = np.asarray(state.indices["w"][(t - 1) % window]).astype(np.int64)
     block = np.arange(row.size) // k
     remainder = accumulated.copy()
     remainder[block * block_size + row] = 0
-    decoded = np.asarray(quantize.dequantize(state.error["w"], size=960, bits=4, bucket_size=bucket_size))
-    low = np.asarray(state.error["w"].minimum.astype(jnp.float32))
-    high = np.asarray(state.error["w"].maximum.astype(jnp.float32))
+    decoded = np.asarray(quantize.dequantize(leaf_error(state, "w"), size=960, bits=4, bucket_size=bucket_size))
+    low = np.asarray(leaf_error(state, "w").minimum.astype(jnp.float32))
+    high = np.asarray(leaf_error(state, "w").maximum.astype(jnp.float32))
     half_step = np.repeat((high - low) / (2 * LEVELS), bucket_size)[:960]
     excess = np.abs(remainder - decoded) - half_step * (1 + 1e-5)
     assert excess.max() <= 0, f"seed={seed} step={t}: bound exceeded by {excess.max()}"
@@ -288,10 +302,9 @@ def test_truncated_window_steady_state_exceeds_adams_unit_step():
 
 
 def expected_leaf_bytes(size, *, window, density, block_size, bucket_size):
-  """The spec: ``4 * window * K + ceil(d / 2) + 4 * n_buckets``."""
-  k = math.ceil(block_size * density)
+  """The spec: ``4 * window * K + ceil(d / 2) + 4 * n_buckets``, K summed over the blocks."""
   full_blocks, tail = divmod(size, block_size)
-  kept = full_blocks * k + (min(tail, max(1, math.ceil(k * tail / block_size))) if tail else 0)
+  kept = full_blocks * documented_keep(block_size, density) + documented_keep(tail, density)
   return 4 * window * kept + math.ceil(size / 2) + 4 * math.ceil(size / bucket_size)
 
 
@@ -317,16 +330,55 @@ def test_state_bytes_and_dtypes_follow_the_spec(settings):
   for name, leaf in params.items():
     want = expected_leaf_bytes(leaf.size, **full)
     got = optax_memopt.state_nbytes(
-        (state.indices[name], state.values[name], state.error[name])
+        (state.indices[name], state.values[name], leaf_error(state, name))
     )
     assert got == want, name
     total += want
     assert state.indices[name].dtype == jnp.int16
     assert state.values[name].dtype == jnp.bfloat16
-    assert state.error[name].codes.dtype == jnp.uint8
-    assert state.error[name].codes.shape == (math.ceil(leaf.size / 2),)
-    assert state.error[name].minimum.dtype == state.error[name].maximum.dtype == jnp.bfloat16
+    assert leaf_error(state, name).codes.dtype == jnp.uint8
+    assert leaf_error(state, name).codes.shape == (math.ceil(leaf.size / 2),)
+    assert leaf_error(state, name).minimum.dtype == leaf_error(state, name).maximum.dtype == jnp.bfloat16
   assert optax_memopt.state_nbytes(state) == total
+
+
+def test_a_tail_block_keeps_ceil_of_its_length_times_density():
+  opt = optax_memopt.scale_by_microadam(window=2, density=0.05, block_size=512, bucket_size=64)
+  params = {
+      "tail": jax.ShapeDtypeStruct((456,), jnp.float32),
+      "block_and_tail": jax.ShapeDtypeStruct((2, 484), jnp.float32),  # 968 = 512 + 456
+  }
+  state = jax.eval_shape(opt.init, params)
+  # ceil(456 * 0.05) = ceil(22.8) = 23 (the reference's k_block_size_few),
+  # not ceil(26 * 456 / 512) = 24; a full block keeps ceil(512 * 0.05) = 26.
+  assert state.indices["tail"].shape == state.values["tail"].shape == (2, 23)
+  assert state.indices["block_and_tail"].shape == (2, 26 + 23)
+
+
+SHAPE_FIXING = ("window", "density", "block_size", "bucket_size")
+
+
+@pytest.mark.parametrize("name", SHAPE_FIXING)
+def test_traced_shape_fixing_hyperparameters_say_to_list_them_in_static_args(name):
+  others = tuple(other for other in SHAPE_FIXING if other != name)
+  opt = optax.inject_hyperparams(optax_memopt.microadam, static_args=others)(learning_rate=1e-3)
+  with pytest.raises(ValueError, match=rf"^{name} fixes .*static_args=\('{name}',\)"):
+    opt.init({"w": jnp.zeros((10,))})
+
+
+def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam():
+  settings = dict(window=2, density=0.1, block_size=256, bucket_size=64)
+  injected = optax.inject_hyperparams(optax_memopt.microadam, static_args=SHAPE_FIXING)(
+      learning_rate=1e-2, **settings
+  )
+  plain = optax_memopt.microadam(1e-2, **settings)
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  params = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32)}
+  grads = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32)}
+  injected_updates, _ = injected.update(grads, injected.init(params), params)
+  plain_updates, _ = plain.update(grads, plain.init(params), params)
+  chex.assert_trees_all_close(injected_updates, plain_updates, rtol=1e-6, custom_message=f"seed={seed}")
 
 
 @pytest.mark.parametrize(
@@ -410,25 +462,58 @@ def test_pallas_update_lowers_every_kernel_for_cuda():
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 * len(params)
 
 
-@pytest.mark.parametrize("shape, dtype", [((0,), jnp.float32), ((7,), jnp.bfloat16), ((3, 5, 4), jnp.float32)])
-def test_written_out_keeps_values_shape_and_dtype(shape, dtype):
-  from pallas_kernels import _backend
+def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax():
+  # nnx.Optimizer splits and merges the state under nnx.jit: the error
+  # feedback must come back as the three parameter-shaped trees it went in as.
+  from flax import nnx
 
-  x = jnp.asarray(np.random.default_rng(fresh_seed()).standard_normal(shape), dtype)
-  y = jax.jit(_backend.written_out)(x)
-  chex.assert_shape(y, shape)
-  chex.assert_type(y, dtype)
-  chex.assert_trees_all_equal(y, x)
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(16, 40, rngs=rngs)
+      self.out = nnx.Linear(40, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jax.nn.relu(self.dense(x)))
+
+  def loss_fn(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+  tx = optax_memopt.microadam(1e-2, block_size=256, bucket_size=64, density=0.1, window=2)
+  model = Model(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graph, params = nnx.split(model, nnx.Param)
+  params = jax.tree.map(jnp.copy, params)  # not the model's own, which nnx_step updates
+  state = tx.init(params)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, x, y):
+    grads = nnx.grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+
+  @jax.jit
+  def optax_step(params, state, x, y):
+    grads = jax.grad(lambda p: loss_fn(nnx.merge(graph, p), x, y))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  for _ in range(3):
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
+    nnx_step(model, optimizer, x, y)
+    params, state = optax_step(params, state, x, y)
+  chex.assert_trees_all_close(
+      nnx.state(model, nnx.Param), params, rtol=1e-6, custom_message=f"seed={seed}"
+  )
+  assert isinstance(optimizer.opt_state[0].error, quantize.QuantizedArray)
 
 
-def test_zeroed_error_is_written_out_before_the_quantizer():
-  # The in-place rewrite of the zeroed error's first element must survive
-  # XLA:CPU's simplifications, or the quantizer's two passes recompute it
-  # (about 15% of the CPU step, benchmarks/README.md). The ring rows are
-  # also updated in place, but they are int16 and bf16 [window, K].
-  d = 24 * 16384
-  params = {"w": jnp.zeros((d,), jnp.float32)}
-  opt = optax_memopt.scale_by_microadam(implementation="xla")
-  state = opt.init(params)
-  text = jax.jit(opt.update).lower(params, state).compile().as_text()
-  assert f"f32[{d}]{{0}} dynamic-update-slice(" in text
+def test_every_leaf_masked_out_passes_the_updates_through():
+  params = {"w": jnp.ones((5,)), "b": jnp.ones((3,))}
+  opt = optax.masked(
+      optax_memopt.scale_by_microadam(block_size=256, bucket_size=64), {"w": False, "b": False}
+  )
+  updates, state = jax.jit(opt.update)(params, opt.init(params))
+  chex.assert_trees_all_equal(updates, params)
+  assert int(state.inner_state.count) == 1

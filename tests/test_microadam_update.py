@@ -1,15 +1,22 @@
-"""MicroAdam's window update: XLA against the spec's formulas, the Mosaic GPU kernel against XLA."""
+"""MicroAdam's window update: the plain-jnp reference against the formulas in
+numpy, the tuned XLA path and the Mosaic GPU kernel (interpreter) against the
+reference, and the automatic choice of implementation on a (faked) Hopper GPU."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 import chex
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import microadam_update as mu
-from pallas_kernels import topk
 
 pytestmark = pytest.mark.kernels
 
@@ -18,12 +25,18 @@ def fresh_seed():
   return int(np.random.SeedSequence().entropy % (2**31))
 
 
-def random_ring(rng, *, window, size, k, block_size):
+def documented_keep(length: int, density: float) -> int:
+  """The top-k's documented rule: ``min(n, max(1, ceil(n * density)))`` of a block of ``n``."""
+  if length == 0:
+    return 0
+  return min(length, max(1, math.ceil(round(length * density, 9))))
+
+
+def random_ring(rng, *, window, size, density, block_size):
   """A ring of ``window`` rows of distinct, ascending block-local indices and bf16 values."""
   full_blocks, tail = divmod(size, block_size)
   lengths = [block_size] * full_blocks + ([tail] if tail else [])
-  tail_k = topk.selection_size(size, k=k, block_size=block_size) - full_blocks * k
-  keeps = [k] * full_blocks + ([tail_k] if tail else [])
+  keeps = [documented_keep(length, density) for length in lengths]
   indices = np.stack([
       np.concatenate([
           np.sort(rng.choice(length, keep, replace=False))
@@ -58,47 +71,62 @@ def numpy_update(indices, values, lengths, keeps, *, count, b1, b2, eps, block_s
 
 
 CASES = [
-    # (size, block_size, k, window, count): full blocks and a shorter tail,
-    # a tensor smaller than one block, an exact multiple of the block.
-    (3 * 512 + 300, 512, 9, 4, 3),
-    (3 * 512 + 300, 512, 9, 4, 9),
-    (700, 1024, 20, 3, 7),
-    (2 * 256, 256, 256, 2, 1),
+    # (size, block_size, density, window, count): full blocks (k = 9) and a
+    # shorter tail (keeps 6), before and after the ring wraps; a tensor
+    # smaller than one block whose entries (14) are fewer than a full
+    # block's k (21); an exact multiple of the block at density 1.
+    (3 * 512 + 300, 512, 0.0175, 4, 3),
+    (3 * 512 + 300, 512, 0.0175, 4, 9),
+    (700, 1024, 0.02, 3, 7),
+    (2 * 256, 256, 1.0, 2, 1),
 ]
+B1, B2, EPS = 0.9, 0.99, 1e-3
 
 
-@pytest.mark.parametrize("size, block_size, k, window, count", CASES)
-def test_xla_matches_the_spec_formulas(size, block_size, k, window, count):
-  seed = fresh_seed()
+def case_inputs(seed, size, block_size, density, window):
   rng = np.random.default_rng(seed)
-  indices, values, lengths, keeps = random_ring(
-      rng, window=window, size=size, k=k, block_size=block_size
-  )
-  b1, b2, eps = 0.9, 0.99, 1e-3
-  got = mu.microadam_update(
-      jnp.asarray(indices), jnp.asarray(values), count, b1, b2, eps,
-      size=size, k=k, block_size=block_size, implementation="xla",
+  return random_ring(rng, window=window, size=size, density=density, block_size=block_size)
+
+
+@pytest.mark.parametrize("size, block_size, density, window, count", CASES)
+def test_reference_matches_the_spec_formulas(size, block_size, density, window, count):
+  seed = fresh_seed()
+  indices, values, lengths, keeps = case_inputs(seed, size, block_size, density, window)
+  got = mu.microadam_update_reference(
+      jnp.asarray(indices), jnp.asarray(values), count, B1, B2, EPS,
+      size=size, density=density, block_size=block_size,
   )
   want = numpy_update(
       indices, values.astype(np.float64), lengths, keeps,
-      count=count, b1=b1, b2=b2, eps=eps, block_size=block_size,
+      count=count, b1=B1, b2=B2, eps=EPS, block_size=block_size,
   )
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6, err_msg=f"seed={seed}")
 
 
-@pytest.mark.parametrize("size, block_size, k, window, count", CASES)
-def test_kernel_in_interpreter_matches_xla(size, block_size, k, window, count):
+@pytest.mark.parametrize(
+    "implementation", ["xla", pytest.param("interpret", id="kernel_in_interpreter")]
+)
+@pytest.mark.parametrize("size, block_size, density, window, count", CASES)
+def test_implementation_matches_reference(size, block_size, density, window, count, implementation):
   seed = fresh_seed()
-  rng = np.random.default_rng(seed)
-  indices, values, _, _ = random_ring(
-      rng, window=window, size=size, k=k, block_size=block_size
-  )
+  indices, values, _, _ = case_inputs(seed, size, block_size, density, window)
   args = (jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
-  kwargs = dict(size=size, k=k, block_size=block_size)
-  want = mu.microadam_update(*args, **kwargs, implementation="xla")
-  got = mu.microadam_update(*args, **kwargs, implementation="interpret")
-  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7, custom_message=f"seed={seed}")
+  kwargs = dict(size=size, density=density, block_size=block_size)
+  want = mu.microadam_update_reference(*args, **kwargs)
+  got = mu.microadam_update(*args, **kwargs, implementation=implementation)
+  chex.assert_trees_all_close(got, want, rtol=2e-6, atol=1e-7, custom_message=f"seed={seed}")
   assert got.shape == (size,) and got.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("size, block_size, density, window, count", CASES)
+def test_every_kernel_case_reaches_the_kernel(size, block_size, density, window, count):
+  indices, values, _, _ = case_inputs(0, size, block_size, density, window)
+  fn = functools.partial(
+      mu.microadam_update, size=size, density=density, block_size=block_size,
+      implementation="pallas",
+  )
+  text = _backend.lower_for_cuda(fn, jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
+  assert "mosaic_gpu" in text
 
 
 def test_window_weights_wrap_ages_and_skip_unwritten_rows():
@@ -123,10 +151,10 @@ def test_window_weights_wrap_ages_and_skip_unwritten_rows():
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 def test_untouched_entries_get_zero_even_with_zero_eps(implementation):
-  indices = jnp.array([[3], [3]], jnp.int16)
+  indices = jnp.array([[3], [3]], jnp.int16)  # density 0.001 keeps 1 of a tail of 300
   values = jnp.array([[2.0], [0.0]], jnp.bfloat16)
   update = mu.microadam_update(
-      indices, values, 1, 0.9, 0.999, 0.0, size=300, k=1, block_size=512,
+      indices, values, 1, 0.9, 0.999, 0.0, size=300, density=0.001, block_size=512,
       implementation=implementation,
   )
   want = np.zeros(300, np.float32)
@@ -135,30 +163,63 @@ def test_untouched_entries_get_zero_even_with_zero_eps(implementation):
 
 
 def test_flat_positions_follow_block_major_layout():
-  x = jnp.asarray(np.random.default_rng(fresh_seed()).normal(size=1000), jnp.float32)
-  indices, values = topk.block_topk(x, k=5, block_size=128, implementation="xla")
-  positions = mu.flat_positions(indices, k=5, block_size=128)
-  np.testing.assert_array_equal(np.asarray(x[positions]), np.asarray(values))
+  # Blocks of 128 keep k = 5 entries each, the tail of 104 keeps 4.
+  indices = jnp.array([0, 7, 9, 100, 127] * 7 + [1, 2, 50, 103], jnp.int16)
+  positions = np.asarray(mu.flat_positions(indices, k=5, block_size=128))
+  blocks = np.repeat(np.arange(8), [5] * 7 + [4])
+  np.testing.assert_array_equal(positions, blocks * 128 + np.asarray(indices))
 
 
 def test_rejects_bad_shapes_and_kernel_block_sizes():
   ring = jnp.zeros((2, 4), jnp.int16)
   with pytest.raises(ValueError, match="indices must have shape"):
-    mu.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, k=3, block_size=50)
+    mu.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.06, block_size=50)
   with pytest.raises(ValueError, match="values must have the shape"):
     mu.microadam_update(
-        ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, k=2, block_size=50
+        ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50
     )
+  with pytest.raises(ValueError, match="^density must"):
+    mu.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.0, block_size=50)
   for block_size in (100, mu.MAX_KERNEL_BLOCK_SIZE + 256):
     size = 2 * block_size
-    ring = jnp.zeros((1, topk.selection_size(size, k=1, block_size=block_size)), jnp.int16)
+    ring = jnp.zeros((1, 2), jnp.int16)  # density 1e-6 keeps one entry per block
     with pytest.raises(ValueError, match="block_size must be a multiple of 256"):
       mu.microadam_update(
-          ring, ring, 1, 0.9, 0.999, 1e-8, size=size, k=1, block_size=block_size,
+          ring, ring, 1, 0.9, 0.999, 1e-8, size=size, density=1e-6, block_size=block_size,
           implementation="pallas",
       )
   with pytest.raises(ValueError, match="implementation"):
     mu.microadam_update(
-        ring, ring, 1, 0.9, 0.999, 1e-8, size=size, k=1, block_size=block_size,
+        ring, ring, 1, 0.9, 0.999, 1e-8, size=size, density=1e-6, block_size=block_size,
         implementation="triton",
     )
+
+
+def lowered_update(block_size: int) -> str:
+  size, window = 2 * block_size, 2
+  ring = jax.ShapeDtypeStruct((window, 2), jnp.int16)  # density 1e-6: one entry per block
+  fn = functools.partial(mu.microadam_update, size=size, density=1e-6, block_size=block_size)
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  return _backend.lower_for_cuda(
+      fn, ring, ring, jax.ShapeDtypeStruct((), jnp.int32), scalar, scalar, scalar
+  )
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", kernel_faster)
+  assert ("mosaic_gpu" in lowered_update(256)) == kernel_faster
+  # A block size the kernel lacks takes XLA, whatever the table says.
+  assert "mosaic_gpu" not in lowered_update(100)
+
+
+def test_auto_on_hopper_follows_the_shipped_table(monkeypatch):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  assert ("mosaic_gpu" in lowered_update(256)) == dispatch.FASTER_ON_HOPPER["microadam_update"]
+
+
+def test_auto_off_hopper_runs_xla(monkeypatch):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", True)
+  assert "mosaic_gpu" not in lowered_update(256)

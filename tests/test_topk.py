@@ -1,9 +1,11 @@
-"""Block top-k: the XLA reference against a numpy re-derivation and the
-selection's defining properties, and the Pallas threshold kernel (Mosaic GPU
-interpreter) against the XLA reference, exactly."""
+"""Block top-k: the plain-jnp reference against a numpy re-derivation and the
+selection's defining properties; the tuned XLA path and the Pallas threshold
+kernel (Mosaic GPU interpreter) against the reference, exactly; the automatic
+choice of implementation on a (faked) Hopper GPU."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -14,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _backend
+from pallas_kernels import dispatch
 from pallas_kernels import topk
 
 pytestmark = pytest.mark.kernels
@@ -23,16 +27,20 @@ def fresh_seed() -> int:
   return int(np.random.SeedSequence().entropy % 2**32)
 
 
-def numpy_block_topk(x, k: int, block_size: int):
+def documented_keep(length: int, density: float) -> int:
+  """The documented rule: ``min(n, max(1, ceil(n * density)))``, the product rounded to 9 decimals."""
+  if length == 0:
+    return 0
+  return min(length, max(1, math.ceil(round(length * density, 9))))
+
+
+def numpy_block_topk(x, density: float, block_size: int):
   """Independent re-derivation: per block a stable ranking by (NaN, |x|, -index)."""
   flat = np.asarray(jnp.asarray(x).astype(jnp.float32)).reshape(-1)
   indices, values = [], []
   for start in range(0, flat.size, block_size):
     block = flat[start : start + block_size]
-    if block.size == block_size:
-      keep = k
-    else:
-      keep = min(block.size, max(1, math.ceil(k * block.size / block_size)))
+    keep = documented_keep(block.size, density)
     is_nan = np.isnan(block)
     magnitude = np.where(is_nan, 0.0, np.abs(block))
     # np.lexsort sorts by its last key first: NaNs, then larger |x|, then lower index.
@@ -72,36 +80,64 @@ def assert_same_selection(actual, expected, message: str):
   )
 
 
-# (shape, k, block_size): whole blocks, a tail that is not whole rows of 256,
-# a 2-element tail, only a tail, k = 1 and k = block_size.
-KERNEL_CASES = [
-    ((3, 512), 5, 512),
-    ((1300,), 9, 512),
-    ((2, 5, 77), 4, 256),
-    ((100,), 3, 256),
-    ((2, 256), 1, 256),
-    ((700,), 256, 256),
+# (shape, density, block_size): whole blocks (k = 6), full blocks and a tail
+# that is not whole rows of 256 (k = 9, tail 5), a 2-element tail (keeps 1),
+# only a tail, k = 1, k = block_size, and tails of 456 at density 0.05
+# (keep 23, where ceil(k r / D) would keep 24).
+CASES = [
+    ((3, 512), 0.01, 512),
+    ((1300,), 0.0175, 512),
+    ((2, 5, 77), 0.015, 256),
+    ((100,), 0.03, 256),
+    ((2, 256), 0.001, 256),
+    ((700,), 1.0, 256),
+    ((456,), 0.05, 512),
+    ((2 * 512 + 456,), 0.05, 512),
 ]
+KINDS = ["normal", "integers", "sparse", "special"]
 
 
-@pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, k, block_size", KERNEL_CASES)
-def test_interpret_equals_xla(shape, k, block_size, dtype, kind):
+@pytest.mark.parametrize("shape, density, block_size", CASES)
+def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtype, kind):
   seed = fresh_seed()
   x = draw_input(kind, shape, dtype, seed)
-  expected = topk.block_topk(x, k=k, block_size=block_size, implementation="xla")
-  actual = topk.block_topk(x, k=k, block_size=block_size, implementation="interpret")
+  expected = topk.block_topk_reference(x, density=density, block_size=block_size)
+  actual = topk.block_topk(x, density=density, block_size=block_size, implementation="interpret")
   assert_same_selection(actual, expected, f"seed={seed}")
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
-def test_xla_equals_numpy(kind, dtype):
+@pytest.mark.parametrize(
+    "shape, density, block_size",
+    CASES + [((5, 301), 0.035, 200), ((3, 4096), 0.01, 4096)],  # one stage; two stages (k = 41, groups of 8)
+)
+def test_xla_equals_reference(shape, density, block_size, dtype, kind):
+  seed = fresh_seed()
+  x = draw_input(kind, shape, dtype, seed)
+  expected = topk.block_topk_reference(x, density=density, block_size=block_size)
+  actual = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
+  assert_same_selection(actual, expected, f"seed={seed}")
+
+
+@pytest.mark.parametrize("shape, density, block_size", CASES)
+def test_every_kernel_case_reaches_the_kernel(shape, density, block_size):
+  text = _backend.lower_for_cuda(
+      functools.partial(topk.block_topk, density=density, block_size=block_size, implementation="pallas"),
+      jax.ShapeDtypeStruct(shape, jnp.float32),
+  )
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_equals_numpy(kind, dtype):
   seed = fresh_seed()
   x = draw_input(kind, (5, 301), dtype, seed)
-  indices, values = topk.block_topk(x, k=7, block_size=200, implementation="xla")
-  expected_indices, expected_values = numpy_block_topk(x, 7, 200)
+  indices, values = topk.block_topk_reference(x, density=0.035, block_size=200)
+  expected_indices, expected_values = numpy_block_topk(x, 0.035, 200)
   np.testing.assert_array_equal(indices, expected_indices, err_msg=f"seed={seed}")
   np.testing.assert_array_equal(
       np.asarray(values.astype(jnp.float32)), expected_values, err_msg=f"seed={seed}"
@@ -116,26 +152,24 @@ ANY_FLOAT = st.floats(width=32, allow_nan=False)
     data=st.data(),
     block_size=st.integers(1, 24),
     size=st.integers(0, 80),
+    density=st.sampled_from([0.01, 0.05, 0.07, 0.1, 0.3, 0.5, 1.0]),
     bfloat16=st.booleans(),
 )
-def test_selection_properties(data, block_size, size, bfloat16):
-  k = data.draw(st.integers(1, block_size), label="k")
+def test_selection_properties(data, block_size, size, density, bfloat16):
   elements = data.draw(
       st.lists(st.one_of(TIE_HEAVY, ANY_FLOAT), min_size=size, max_size=size),
       label="x",
   )
   x = jnp.asarray(np.array(elements, np.float32), jnp.bfloat16 if bfloat16 else jnp.float32)
-  indices, values = topk.block_topk(x, k=k, block_size=block_size, implementation="xla")
+  indices, values = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
 
-  expected_size = topk.selection_size(size, k=k, block_size=block_size)
-  assert indices.shape == values.shape == (expected_size,)
   assert indices.dtype == jnp.int16 and values.dtype == x.dtype
   magnitudes = np.abs(np.asarray(x.astype(jnp.float32)))
   indices = np.asarray(indices, np.int64)
   offset = 0
   for start in range(0, size, block_size):
     width = min(block_size, size - start)
-    keep = k if width == block_size else min(width, max(1, math.ceil(k * width / block_size)))
+    keep = documented_keep(width, density)
     chosen = indices[offset : offset + keep]
     offset += keep
     assert np.all((chosen >= 0) & (chosen < width))
@@ -153,13 +187,42 @@ def test_selection_properties(data, block_size, size, bfloat16):
     np.testing.assert_array_equal(
         np.asarray(values[offset - keep : offset]), np.asarray(x[start + chosen])
     )
-  assert offset == expected_size
+  assert indices.shape == values.shape == (offset,)
+
+
+@pytest.mark.parametrize(
+    "size, density, block_size, expected",
+    [
+        (456, 0.05, 512, 23),  # a tail only: ceil(22.8)
+        (512 + 456, 0.05, 512, 26 + 23),  # ceil(25.6) per full block
+        (3 * 16384 + 1000, 0.01, 16384, 3 * 164 + 10),
+        (100, 0.07, 256, 7),  # 100 * 0.07 = 7.000000000000001 keeps 7
+        (4 * 256, 0.001, 256, 4),  # at least one per block
+        (256 + 3, 0.001, 256, 1 + 1),  # and per tail
+        (10, 1.0, 4, 10),
+        (0, 0.5, 4, 0),
+    ],
+)
+def test_selection_size_follows_the_documented_formula(size, density, block_size, expected):
+  assert topk.selection_size(size, density=density, block_size=block_size) == expected
+  assert topk.block_topk(jnp.ones(size), density=density, block_size=block_size)[0].shape == (expected,)
+
+
+@hypothesis.given(
+    size=st.integers(0, 10**6),
+    block_size=st.integers(1, 5000),
+    density=st.floats(1e-4, 1.0),
+)
+def test_selection_size_counts_every_block(size, block_size, density):
+  full_blocks, tail = divmod(size, block_size)
+  expected = full_blocks * documented_keep(block_size, density) + documented_keep(tail, density)
+  assert topk.selection_size(size, density=density, block_size=block_size) == expected
 
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 def test_all_equal_magnitudes_take_the_lowest_indices(implementation):
   x = jnp.array([1.0, -1.0] * 384)  # 768 = three blocks of 256
-  indices, values = topk.block_topk(x, k=3, block_size=256, implementation=implementation)
+  indices, values = topk.block_topk(x, density=0.01, block_size=256, implementation=implementation)
   np.testing.assert_array_equal(indices, np.tile([0, 1, 2], 3))
   np.testing.assert_array_equal(values, np.tile([1.0, -1.0, 1.0], 3))
 
@@ -169,15 +232,15 @@ def test_nans_rank_above_infinities(implementation):
   x = jnp.zeros(256).at[jnp.array([3, 50, 90, 200])].set(
       jnp.array([-jnp.inf, jnp.nan, jnp.inf, -jnp.nan])
   )
-  indices, _ = topk.block_topk(x, k=3, block_size=256, implementation=implementation)
+  indices, _ = topk.block_topk(x, density=0.01, block_size=256, implementation=implementation)
   np.testing.assert_array_equal(indices, [3, 50, 200])
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 3)])
 @pytest.mark.parametrize("implementation", [None, "xla", "interpret"])
-def test_zero_size(shape, implementation):
+def test_empty_input_gives_an_empty_selection(shape, implementation):
   indices, values = topk.block_topk(
-      jnp.zeros(shape, jnp.bfloat16), k=2, block_size=256, implementation=implementation
+      jnp.zeros(shape, jnp.bfloat16), density=0.01, block_size=256, implementation=implementation
   )
   assert indices.shape == values.shape == (0,)
   assert indices.dtype == jnp.int16 and values.dtype == jnp.bfloat16
@@ -186,41 +249,32 @@ def test_zero_size(shape, implementation):
 @pytest.mark.parametrize("block_size, index_dtype", [(2**15, jnp.int16), (2**15 + 1, jnp.int32)])
 def test_index_dtype(block_size, index_dtype):
   x = jnp.arange(10.0)  # only a tail block
-  indices, _ = topk.block_topk(x, k=block_size, block_size=block_size)
+  indices, _ = topk.block_topk(x, density=1.0, block_size=block_size)
   assert indices.dtype == index_dtype
   np.testing.assert_array_equal(indices, np.arange(10))
 
 
-def test_odd_length_and_jit():
-  x = draw_input("integers", (3, 333), jnp.float32, fresh_seed())
-  jitted = jax.jit(lambda x: topk.block_topk(x, k=np.int64(4), block_size=128))
-  expected = topk.block_topk(x, k=4, block_size=128, implementation="xla")
-  assert_same_selection(jitted(x), expected, "jit")
-  assert expected[0].shape == (topk.selection_size(999, k=4, block_size=128),)
-
-
-@hypothesis.given(
-    size=st.integers(0, 10**6), block_size=st.integers(1, 5000), data=st.data()
-)
-def test_selection_size_counts_every_block(size, block_size, data):
-  k = data.draw(st.integers(1, block_size), label="k")
-  full_blocks, tail = divmod(size, block_size)
-  tail_keep = min(tail, max(1, math.ceil(k * tail / block_size))) if tail else 0
-  assert topk.selection_size(size, k=k, block_size=block_size) == full_blocks * k + tail_keep
+def test_numpy_scalar_arguments_and_jit():
+  seed = fresh_seed()
+  x = draw_input("integers", (3, 333), jnp.float32, seed)
+  jitted = jax.jit(lambda x: topk.block_topk(x, density=np.float64(0.03), block_size=np.int64(128)))
+  expected = topk.block_topk_reference(x, density=0.03, block_size=128)
+  assert_same_selection(jitted(x), expected, f"seed={seed}")
 
 
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
-        (dict(k=0, block_size=256), "k"),
-        (dict(k=257, block_size=256), "k"),
-        (dict(k=1.5, block_size=256), "k"),
-        (dict(k=True, block_size=256), "k"),
-        (dict(k=1, block_size=0), "block_size"),
-        (dict(k=1, block_size=2**31 + 1), "block_size"),
-        (dict(k=1, block_size=256, implementation="cuda"), "implementation"),
-        (dict(k=1, block_size=100, implementation="interpret"), "block_size"),
-        (dict(k=1, block_size=100, implementation="pallas"), "block_size"),
+        (dict(density=0.0, block_size=256), "density"),
+        (dict(density=1.5, block_size=256), "density"),
+        (dict(density=True, block_size=256), "density"),
+        (dict(density="0.1", block_size=256), "density"),
+        (dict(density=0.1, block_size=0), "block_size"),
+        (dict(density=0.1, block_size=2**31 + 1), "block_size"),
+        (dict(density=0.1, block_size=256.0), "block_size"),
+        (dict(density=0.1, block_size=256, implementation="cuda"), "implementation"),
+        (dict(density=0.1, block_size=100, implementation="interpret"), "block_size"),
+        (dict(density=0.1, block_size=100, implementation="pallas"), "block_size"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, argument):
@@ -228,48 +282,83 @@ def test_bad_arguments_name_themselves(kwargs, argument):
     topk.block_topk(jnp.ones(300), **kwargs)
 
 
+@pytest.mark.parametrize("argument", ["density", "block_size"])
+def test_traced_shape_arguments_say_to_make_them_static(argument):
+  arguments = dict(density=0.1, block_size=256)
+  with pytest.raises(ValueError, match=f"^{argument} fixes .* static_args"):
+    jax.jit(lambda value: topk.block_topk(jnp.ones(300), **(arguments | {argument: value})))(
+        arguments[argument]
+    )
+
+
 def test_bad_x_and_size_name_themselves():
   with pytest.raises(ValueError, match="^x must"):
-    topk.block_topk(jnp.ones(300, jnp.int32), k=1, block_size=256)
+    topk.block_topk(jnp.ones(300, jnp.int32), density=0.1, block_size=256)
   with jax.enable_x64(True):
     with pytest.raises(ValueError, match="^x must"):
-      topk.block_topk(jnp.ones(300, jnp.float64), k=1, block_size=256, implementation="interpret")
+      topk.block_topk(
+          jnp.ones(300, jnp.float64), density=0.1, block_size=256, implementation="interpret"
+      )
   with pytest.raises(ValueError, match="^size must"):
-    topk.selection_size(-1, k=1, block_size=256)
-  with pytest.raises(ValueError, match="^k must"):
-    topk.selection_size(10, k=5, block_size=4)
+    topk.selection_size(-1, density=0.1, block_size=256)
 
 
-def test_auto_takes_xla_for_block_sizes_the_kernel_lacks():
-  x = draw_input("normal", (450,), jnp.float32, fresh_seed())
-  expected = topk.block_topk(x, k=3, block_size=100, implementation="xla")
-  assert_same_selection(topk.block_topk(x, k=3, block_size=100), expected, "auto")
+@pytest.fixture
+def on_hopper(monkeypatch):
+  """Fakes a Hopper GPU as the default device; returns the lowered program's text of a call."""
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  return monkeypatch
 
 
-def numpy_zero_selected(x, k: int, block_size: int) -> np.ndarray:
+def lowered_block_topk(x, **kwargs) -> str:
+  return _backend.lower_for_cuda(functools.partial(topk.block_topk, **kwargs), x)
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_auto_on_hopper_runs_the_path_the_table_names(on_hopper, kernel_faster):
+  on_hopper.setitem(dispatch.FASTER_ON_HOPPER, "block_topk", kernel_faster)
+  x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+  text = lowered_block_topk(x, density=0.01, block_size=256)
+  assert ("mosaic_gpu" in text) == kernel_faster
+  # And for a block size the kernel lacks, XLA, whatever the table says.
+  assert "mosaic_gpu" not in lowered_block_topk(x, density=0.01, block_size=100)
+
+
+def test_auto_on_hopper_follows_the_shipped_table(on_hopper):
+  text = lowered_block_topk(jax.ShapeDtypeStruct((1000,), jnp.float32), density=0.01, block_size=256)
+  assert ("mosaic_gpu" in text) == dispatch.FASTER_ON_HOPPER["block_topk"]
+
+
+def test_auto_off_hopper_runs_xla(monkeypatch):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "block_topk", True)
+  text = lowered_block_topk(jax.ShapeDtypeStruct((1000,), jnp.float32), density=0.01, block_size=256)
+  assert "mosaic_gpu" not in text
+
+
+def numpy_zero_selected(x, density: float, block_size: int) -> np.ndarray:
   """Zeros at the positions numpy_block_topk selects: the scatter that zero_selected avoids."""
   flat = np.asarray(x).reshape(-1).copy()
-  indices, _ = numpy_block_topk(x, k, block_size)
+  indices, _ = numpy_block_topk(x, density, block_size)
   offset = 0
   for start in range(0, flat.size, block_size):
-    width = min(block_size, flat.size - start)
-    keep = k if width == block_size else min(width, max(1, math.ceil(k * width / block_size)))
+    keep = documented_keep(min(block_size, flat.size - start), density)
     flat[start + indices[offset : offset + keep]] = 0
     offset += keep
   return flat.reshape(np.shape(x))
 
 
-@pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, k, block_size", KERNEL_CASES + [((0,), 3, 8), ((10,), 3, 4)])
-def test_zero_selected_equals_zeroing_the_selected_positions(shape, k, block_size, dtype, kind):
+@pytest.mark.parametrize("shape, density, block_size", CASES + [((0,), 0.3, 8), ((10,), 0.75, 4)])
+def test_zero_selected_equals_zeroing_the_selected_positions(shape, density, block_size, dtype, kind):
   seed = fresh_seed()
   x = draw_input(kind, shape, dtype, seed)
-  indices, values = topk.block_topk(x, k=k, block_size=block_size)
-  zeroed = topk.zero_selected(x, indices, values, k=k, block_size=block_size)
+  indices, values = topk.block_topk(x, density=density, block_size=block_size)
+  zeroed = topk.zero_selected(x, indices, values, density=density, block_size=block_size)
   chex.assert_shape(zeroed, shape)
   chex.assert_type(zeroed, dtype)
-  expected = numpy_zero_selected(np.asarray(x.astype(jnp.float32)), k, block_size)
+  expected = numpy_zero_selected(np.asarray(x.astype(jnp.float32)), density, block_size)
   # Bitwise, so a -0.0 left in place or a NaN payload would show.
   np.testing.assert_array_equal(
       np.asarray(zeroed.astype(jnp.float32)).view(np.uint32),
@@ -280,12 +369,12 @@ def test_zero_selected_equals_zeroing_the_selected_positions(shape, k, block_siz
 
 def test_zero_selected_rejects_a_selection_it_cannot_have_come_from():
   x = jnp.ones((300,))
-  indices, values = topk.block_topk(x, k=4, block_size=128)
+  indices, values = topk.block_topk(x, density=0.03, block_size=128)
   with pytest.raises(ValueError, match="indices and values must have shape"):
-    topk.zero_selected(x, indices[:-1], values[:-1], k=4, block_size=128)
+    topk.zero_selected(x, indices[:-1], values[:-1], density=0.03, block_size=128)
   with pytest.raises(ValueError, match="block_size"):
-    topk.zero_selected(x, indices, values, k=4, block_size=0)
+    topk.zero_selected(x, indices, values, density=0.03, block_size=0)
   with pytest.raises(ValueError, match="values must have x's dtype"):
-    topk.zero_selected(x, indices, values.astype(jnp.bfloat16), k=4, block_size=128)
+    topk.zero_selected(x, indices, values.astype(jnp.bfloat16), density=0.03, block_size=128)
   with pytest.raises(ValueError, match="floating dtype"):
-    topk.zero_selected(x.astype(jnp.int32), indices, values, k=4, block_size=128)
+    topk.zero_selected(x.astype(jnp.int32), indices, values, density=0.03, block_size=128)
