@@ -194,7 +194,7 @@ def scale_by_ternary_adam(
   stochastic rounding. Tensors of rank < 2 update ``nu``
   elementwise, and tensors below ``min_size`` elements run plain Adam in
   float32. The design and its defaults are explained in the module
-  docstring.
+  docstring; the state's trees in ``optax_memopt.ternary_adam_state``.
 
   Args:
     b1: decay of the first moment, in ``[0, 1)``. Lower than Adam's 0.9 so
@@ -202,16 +202,27 @@ def scale_by_ternary_adam(
     b2: decay of the second-moment statistics, in ``[0, 1)``.
     eps: added to the root of the bias-corrected second moment, ``>= 0``.
     block_size: elements per scale block of the ternary moment: 32, 64 or a
-      multiple of 128.
-    min_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
-    packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
-    key: an int seed or a JAX PRNG key for the stochastic rounding.
-    implementation: the fused step's implementation: ``None`` (XLA, for now
-      faster than the kernel also on GPUs), ``"xla"``, ``"pallas"`` or
+      multiple of 128 (what the kernels' 128-element slices allow). 128, as
+      in 4-bit AdamW: about 0.23 bytes of trits and scale per element.
+    min_size: tensors with fewer elements keep float32 ``m`` and ``nu``;
+      4096, the threshold of bitsandbytes and torchao.
+    packing: ``"base3"`` (5 trits per byte, the default: the fewest bytes) or
+      ``"2bit"`` (4 per byte, cheaper to unpack).
+    key: an int seed or a JAX PRNG key for the stochastic rounding, kept in
+      the state. Each step splits it into the next key and a step key;
+      ``jax.random.bits(step_key, (n,), uint32)`` gives the rounding seeds of
+      the ``n`` parameters in ``jax.tree.leaves`` order
+      (``pallas_kernels.ternary.counter_hash_bits``).
+    implementation: the fused step's implementation
+      (``pallas_kernels.dispatch``): ``None`` (the default for the device:
+      XLA while the kernel measures slower), ``"xla"``, ``"pallas"`` or
       ``"interpret"``.
 
   Returns:
     An ``optax.GradientTransformation``.
+
+  ``block_size``, ``min_size`` and ``packing`` fix the state's shapes: with
+  ``optax.inject_hyperparams``, list them in ``static_args``.
 
   Raises:
     ValueError: for a hyper-parameter out of range (floats are checked when

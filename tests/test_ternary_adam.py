@@ -355,3 +355,168 @@ def test_bad_hyperparameters_raise_when_built(kwargs, name):
     optax_memopt.scale_by_ternary_adam(**kwargs)
   with pytest.raises(ValueError, match=name):
     optax_memopt.ternary_adam(1e-3, **kwargs)
+
+
+def _uniforms(seed: int, size: int) -> np.ndarray:
+  """The documented rounding uniforms: ``(h(seed ^ i) >> 8) / 2**24`` with
+  ``h(x) = y ^ (y >> 16)``, ``y = x * 0x9E3779B1 mod 2**32``."""
+  y = ((np.arange(size, dtype=np.uint64) ^ np.uint64(seed)) * np.uint64(0x9E3779B1)) % 2**32
+  h = y ^ (y >> np.uint64(16))
+  return (h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+class _NumpyTernaryAdam:
+  """Ternary Adam re-implemented from its documented formulas, one tensor at a time.
+
+  Small tensors: Adam in float64. Others: ``m = b1 t s + (1 - b1) g`` (exact
+  in float32 for the dyadic inputs of the test), block scales
+  ``b1 s + (1 - b1) max |g|``, trits ``sign(m) [u s < |m|]`` with the
+  documented uniforms, ``nu`` elementwise for vectors and Adafactor's
+  ``outer(R, C) / mean(R)`` over the last two axes for matrices.
+  """
+
+  def __init__(self, params, *, b1, b2, eps, block_size, min_size):
+    self.b1, self.b2, self.eps, self.block_size, self.min_size = b1, b2, eps, block_size, min_size
+    self.count = 0
+    self.state = {}
+    for name, p in params.items():
+      shape, size = p.shape, p.size
+      if size < min_size:
+        self.state[name] = dict(m=np.zeros(shape), nu=np.zeros(shape))
+        continue
+      n_blocks = -(-size // block_size)
+      moment = dict(trits=np.zeros(size), scales=np.zeros(n_blocks, np.float32))
+      if len(shape) >= 2:
+        moment.update(row=np.zeros(shape[:-1]), col=np.zeros(shape[:-2] + shape[-1:]))
+      else:
+        moment.update(nu=np.zeros(shape))
+      self.state[name] = moment
+
+  def step(self, grads, seeds):
+    self.count += 1
+    k, b1, b2, eps = self.count, self.b1, self.b2, self.eps
+    directions = {}
+    for name, g in grads.items():
+      s = self.state[name]
+      g64 = np.asarray(g, np.float64)
+      if "m" in s:
+        s["m"] = b1 * s["m"] + (1 - b1) * g64
+        s["nu"] = b2 * s["nu"] + (1 - b2) * g64**2
+        directions[name] = (s["m"] / (1 - b1**k)) / (np.sqrt(s["nu"] / (1 - b2**k)) + eps)
+        continue
+      size, block = g64.size, self.block_size
+      flat_g = np.asarray(g, np.float32).reshape(-1)
+      stored = s["trits"] * np.repeat(s["scales"], block)[:size]
+      m = (np.float32(b1) * stored + np.float32(1 - b1) * flat_g).astype(np.float32)
+      padded = np.zeros(s["scales"].size * block, np.float32)
+      padded[:size] = np.abs(flat_g)
+      s["scales"] = np.float32(b1) * s["scales"] + np.float32(1 - b1) * padded.reshape(-1, block).max(1)
+      scale = np.repeat(s["scales"], block)[:size]
+      s["trits"] = np.where(_uniforms(seeds[name], size) * scale < np.abs(m), np.sign(m), 0.0)
+      if "nu" in s:
+        s["nu"] = b2 * s["nu"] + (1 - b2) * g64**2
+        nu = s["nu"]
+      else:
+        squared = g64**2 + 1e-30
+        s["row"] = b2 * s["row"] + (1 - b2) * squared.mean(axis=-1)
+        s["col"] = b2 * s["col"] + (1 - b2) * squared.mean(axis=-2)
+        nu = s["row"][..., :, None] * s["col"][..., None, :] / s["row"].mean(-1)[..., None, None]
+      m_hat = m.astype(np.float64).reshape(g64.shape) / (1 - b1**k)
+      directions[name] = m_hat / (np.sqrt(nu / (1 - b2**k)) + eps)
+    return directions
+
+
+def _dyadic_grads(seed, params):
+  """Multiples of 2**-8 below 8 in magnitude: the ternary moment stays exact in float32."""
+  rng = np.random.default_rng(seed)
+  return {
+      name: np.clip(np.round(rng.standard_normal(p.shape) * 256) / 256, -8, 8).astype(np.float32)
+      for name, p in params.items()
+  }
+
+
+def test_several_steps_and_a_resume_follow_the_numpy_reimplementation():
+  """Four steps, the state saved to numpy and restored into a new optimizer after two.
+
+  Checks the directions, the stored trits and scales exactly, and the
+  factored statistics' recursion ``b2 R + (1 - b2) mean(g**2 + eps)``, which
+  step 1 alone (starting from zero) cannot test. The rounding seeds are the
+  documented ones: each step splits the key into the next key and a step
+  key, and ``jax.random.bits(step_key, (leaves,), uint32)`` gives one per
+  leaf in ``jax.tree.leaves`` order.
+  """
+  seed = _fresh_seed()
+  block_size, min_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
+  params = {
+      "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
+      "small": np.zeros((5, 6), np.float32),  # Plain Adam.
+      "stack": np.zeros((2, 12, 40), np.float32),  # Flat blocks, factored per matrix.
+      "vector": np.zeros((200,), np.float32),  # A partial last block, elementwise nu.
+  }
+  options = dict(b1=b1, b2=b2, eps=eps, block_size=block_size, min_size=min_size)
+  make = lambda: optax_memopt.scale_by_ternary_adam(**options, key=seed)
+  opt = make()
+  state = opt.init(params)
+  reference = _NumpyTernaryAdam(params, **options)
+  key = jax.random.key(seed)
+  for step in range(4):
+    if step == 2:  # Saved as numpy arrays, restored into a freshly built optimizer.
+      saved = jax.tree.map(np.asarray, state)
+      opt, state = make(), jax.tree.map(jnp.asarray, saved)
+    grads = _dyadic_grads(seed + step, params)
+    key, step_key = jax.random.split(key)
+    leaf_seeds = np.asarray(jax.random.bits(step_key, (len(params),), jnp.uint32))
+    expected = reference.step(grads, dict(zip(sorted(params), leaf_seeds.tolist())))
+    updates, state = jax.jit(opt.update)(grads, state)
+    message = f"seed={seed}, step {step + 1}"
+    for name, direction in expected.items():
+      np.testing.assert_allclose(
+          updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, {message}"
+      )
+      kept = reference.state[name]
+      if "trits" not in kept:
+        continue
+      size = params[name].size
+      np.testing.assert_array_equal(
+          np.asarray(state.mu.scales[name]).reshape(-1), kept["scales"], err_msg=f"{name}, {message}"
+      )
+      np.testing.assert_array_equal(
+          decode_block_major(state.mu.packed[name], state.mu.scales[name], size, block_size),
+          kept["trits"] * np.repeat(kept["scales"], block_size)[:size],
+          err_msg=f"{name}, {message}",
+      )
+      if "row" in kept:
+        np.testing.assert_allclose(state.nu.row[name], kept["row"], rtol=1e-5, err_msg=f"{name}, {message}")
+        np.testing.assert_allclose(state.nu.col[name], kept["col"], rtol=1e-5, err_msg=f"{name}, {message}")
+
+
+class _Model(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(16, 32, rngs=rngs)  # Ternary, factored nu.
+    self.out = nnx.Linear(32, 4, rngs=rngs)  # Its kernel ternary; the biases small.
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_trains_under_nnx_jit_with_nnx_optimizer():
+  """``nnx.Optimizer`` and an ``nnx.jit`` step: NNX rebuilds the state's trees on every call."""
+  seed = _fresh_seed()
+  model = _Model(nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(
+      model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param
+  )
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  x = jax.random.normal(jax.random.key(seed), (32, 16))
+  y = jnp.tanh(x[:, :4])
+  losses = [float(train_step(model, optimizer, x, y)) for _ in range(20)]
+  assert losses[-1] < 0.7 * losses[0], f"seed={seed}: {losses}"
+  state = optimizer.opt_state[0]
+  assert state.mu.packed["hidden"]["kernel"].shape == (16, 1, 7), f"seed={seed}"
+  assert state.nu.row["hidden"]["kernel"].shape == (16,), f"seed={seed}"
