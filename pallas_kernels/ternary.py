@@ -554,7 +554,7 @@ def ternary_encode(
   return TernaryArray(packed, scales)
 
 
-def check_ternary_array(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
+def _check_ternary_array(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
   """Raises ``ValueError`` unless ``packed`` (and ``scales``, unless None) fit ``size`` elements."""
   expected = (packing.packed_size(size, layout.planes),)
   if packed.shape != expected or packed.dtype != jnp.uint8:
@@ -608,7 +608,7 @@ def ternary_decode(
     raise ValueError(f"dtype must be a floating dtype; got {dtype!r}.")
   implementation = dispatch.resolve("ternary", implementation)
   packed, scales = (jnp.asarray(a) for a in t)
-  check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
+  _check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
   return _decode(
       packed,
       scales,
@@ -743,7 +743,7 @@ def unpack_trits(
   layout = packing_layout(packing)
   implementation = dispatch.resolve("ternary", implementation)
   packed = jnp.asarray(packed)
-  check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
+  _check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
   block_size = _row_block_size(layout)
   ones = jnp.ones((_num_blocks(size, block_size),), jnp.float32)
   return _decode(

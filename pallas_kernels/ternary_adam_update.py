@@ -233,8 +233,8 @@ def _second_moment_and_root(
   if not update_nu:
     return nu, nu * hyper[_INVERSE_ROOT_BIAS_CORRECTION_2]
   nu = _second_moment(nu, grad.astype(jnp.float32), hyper[_B2])
-  # jnp.sqrt, not the kernel's x * rsqrt(x): XLA:CPU vectorizes it (7% of
-  # the step at 40M parameters); the directions differ by float32 rounding.
+  # jnp.sqrt, not the kernel's x * rsqrt(x): XLA:CPU vectorizes it; the
+  # directions differ by float32 rounding.
   return nu, jnp.sqrt(nu / hyper[_BIAS_CORRECTION_2])
 
 
@@ -323,8 +323,7 @@ def _step_xla(
     )
   # The flat layout: an array of the tensor's shape read in the blocks'
   # view, or the other way round, is indexed per element through its flat
-  # index, in code XLA:CPU does not vectorize (the direction of a 640 x 320
-  # matrix took 5x the time per element of the tiled layout's). The stored
+  # index, in code XLA:CPU does not vectorize. The stored
   # moment is written out in the blocks' view, then read in the tensor's
   # shape for the direction (``nu`` stays there: the outer product of
   # factored statistics' roots is a plain broadcast) and in the blocks' for

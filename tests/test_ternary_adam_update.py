@@ -267,7 +267,8 @@ def _planar_bytes(codes, base, planes):
 
 
 @pytest.mark.parametrize("packing", ["base3", "2bit"])
-@pytest.mark.parametrize("block_size", [32, 64, 128, 640, 1024])
+# Blocks smaller than a 128-slice, of one slice, over several packed rows.
+@pytest.mark.parametrize("block_size", [32, 128, 640])
 @pytest.mark.parametrize("tiles_rows", [True, False])
 def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_rows):
   """Packing, unpacking, shapes, zeros, and the conversion to the kernel's flat bytes."""
@@ -290,9 +291,9 @@ def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_row
       expected.shape, (*blocks, 1)
   ]
 
-  flat = ternary_blocks.flat_bytes(packed, size, block_size, layout)
+  flat = jax.jit(lambda p: ternary_blocks.flat_bytes(p, size, block_size, layout))(packed)
   np.testing.assert_array_equal(flat, _planar_bytes(trits + 1, base, planes), err_msg=f"seed={seed}")
-  back = ternary_blocks.block_bytes(flat, size, blocks, block_size, layout)
+  back = jax.jit(lambda f: ternary_blocks.block_bytes(f, size, blocks, block_size, layout))(flat)
   np.testing.assert_array_equal(back, expected, err_msg=f"seed={seed}")
 
   zeros = ternary_blocks.zeros(shape, block_size=block_size, packing=packing)
