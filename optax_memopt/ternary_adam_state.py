@@ -62,8 +62,8 @@ class ScaleByTernaryAdamState(NamedTuple):
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
   key: jax.Array  # uint32 key data of the rounding key, shape of the key's impl.
-  mu: TernaryMoment
-  nu: FactoredSecondMoment
+  mu: TernaryMoment  # Three trees like the params (see TernaryMoment).
+  nu: FactoredSecondMoment  # Three trees like the params (see FactoredSecondMoment).
 
 
 def is_ternary(param: jax.Array, min_size: int) -> bool:
