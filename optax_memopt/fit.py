@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding
 
 from optax_memopt import leaves
 from optax_memopt.sharding import split_spec, state_shardings

@@ -45,15 +45,17 @@ Packing (``packing=``), both in the planar layout of
 
 ``n`` trits take exactly ``ceil(n / 5)`` or ``ceil(n / 4)`` bytes.
 
-Block sizes. ``block_size`` must be 32, 64 or a positive multiple of 128.
-The kernels read the input in 128-element slices (one plane of a packed
-row), and this choice makes every slice either hold whole blocks (32, 64) or
-lie inside one block (multiples of 128), so a block's absmax is a full
-reduction of masked slices or a loop over slices. Scale blocks and packing
-rows need not coincide: the kernels work on *chunks* of
-``lcm(block_size, row)`` elements, which are whole blocks and whole rows at
-once (``block_size=64``: one base-3 row of 10 blocks; ``256``: two base-3
-rows of 5 blocks, or one 2-bit row of 2 blocks).
+Block sizes. ``block_size`` must be 32, 64 or a positive multiple of 128, so
+that each 128-element slice the kernels read holds whole blocks or lies in one
+(:mod:`pallas_kernels._ternary_chunks`).
+
+Use. ``ternary_adam`` stores its first moment with this rounding and these
+random bits, in its own block-major byte layout
+(:mod:`pallas_kernels.ternary_blocks`), through the fused
+:mod:`pallas_kernels.ternary_adam_update`. ``ternary_encode`` and
+``ternary_decode`` are the codec on its own, in the flat layout: a tensor at
+1.6 bits per element plus a scale per block, for instance a gradient sent
+between hosts as TernGrad does, or a checkpoint of a moment.
 
 Implementations (``implementation=``):
 
@@ -79,8 +81,7 @@ References:
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +89,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend
+from pallas_kernels import _ternary_chunks as chunks
 from pallas_kernels import dispatch
 from pallas_kernels import packing
+from pallas_kernels import static_args
 
 PACKINGS = ("base3", "2bit")
 
@@ -100,10 +103,6 @@ _SUB_SLICE_BLOCK_SIZES = (32, 64)
 # Dtypes the kernels read directly (converted to float32 in registers);
 # other floats are converted to float32 first.
 _KERNEL_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8)
-# Grid steps of one chunk each up to this many chunks, then several chunks
-# per step (at most _MAX_STEP_ELEMENTS elements). Not yet tuned on a GPU.
-_MIN_GRID_STEPS = 8192
-_MAX_STEP_ELEMENTS = 16384
 
 
 class TernaryArray(NamedTuple):
@@ -128,46 +127,13 @@ _PACKED_LAYOUTS = {
 _UNPACKED = _Layout(base=3, planes=1)
 
 
-class ChunkGeometry(NamedTuple):
-  """How the kernels cut a flat array: rows of ``planes`` slices, chunks of rows and blocks.
-
-  A chunk of ``lcm(block_size, row)`` elements is whole rows and whole blocks.
-  """
-
-  block_size: int
-  planes: int
-
-  @property
-  def row(self) -> int:
-    return self.planes * PLANE_WIDTH
-
-  @property
-  def chunk(self) -> int:
-    return math.lcm(self.block_size, self.row)
-
-  @property
-  def rows_per_chunk(self) -> int:
-    return self.chunk // self.row
-
-  @property
-  def blocks_per_chunk(self) -> int:
-    return self.chunk // self.block_size
-
-
-def check_block_size(block_size: int) -> None:
-  """Raises ``ValueError`` unless ``block_size`` is 32, 64 or a positive multiple of 128."""
-  if (
-      isinstance(block_size, bool)
-      or not isinstance(block_size, int)
-      or not (
-          block_size in _SUB_SLICE_BLOCK_SIZES
-          or (block_size > 0 and block_size % PLANE_WIDTH == 0)
-      )
-  ):
-    raise ValueError(
-        "block_size must be 32, 64 or a positive multiple of 128;"
-        f" got {block_size!r}."
-    )
+def check_block_size(block_size: int) -> int:
+  """``block_size`` as an ``int``; ``ValueError`` unless it is 32, 64 or a positive multiple of 128."""
+  hint = " (32, 64 or a multiple of 128)"
+  block_size = static_args.check_int("block_size", block_size, 1, hint=hint)
+  if block_size not in _SUB_SLICE_BLOCK_SIZES and block_size % PLANE_WIDTH:
+    raise ValueError(f"block_size must be 32, 64 or a positive multiple of 128; got {block_size}.")
+  return block_size
 
 
 def packing_layout(packing_name: str) -> _Layout:
@@ -177,9 +143,8 @@ def packing_layout(packing_name: str) -> _Layout:
   return _PACKED_LAYOUTS[packing_name]
 
 
-def _check_size(size: int) -> None:
-  if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-    raise ValueError(f"size must be a non-negative int; got {size!r}.")
+def _check_size(size: int) -> int:
+  return static_args.check_int("size", size, 0)
 
 
 def _num_blocks(size: int, block_size: int) -> int:
@@ -296,94 +261,9 @@ def decode_reference(
 # Mosaic GPU kernels.
 
 
-def lane_indices(interpret: bool) -> jax.Array:
-  """``0 .. PLANE_WIDTH - 1`` as uint32, laid out like a loaded 128-slice."""
-  lane = lax.broadcasted_iota(jnp.uint32, (PLANE_WIDTH,), 0)
-  if interpret:
-    # JAX 0.10's interpreter has no rule for layout_cast (an identity there).
-    return lane
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  # Mosaic GPU cannot infer the layout of an iota on JAX 0.10.
-  return plgpu.layout_cast(lane, plgpu.Layout.WG_STRIDED((PLANE_WIDTH,), vec_size=1))
-
-
-def for_each_index(count: int, body: Callable[[Any], None]) -> None:
-  """``body(i)`` for ``i`` in ``range(count)``.
-
-  A single Python call when ``count == 1``, so that offsets stay static (and
-  sub-slice blocks can be picked by Python indexing); a ``fori_loop`` otherwise.
-  """
-  if count == 1:
-    body(0)
-    return
-
-  def step(i, carry):
-    body(i)
-    return carry
-
-  lax.fori_loop(0, count, step, 0)
-
-
-def select_scalar(values: Sequence[jax.Array], index: Any) -> jax.Array:
-  """``values[index]`` for a static or traced scalar ``index``."""
-  if isinstance(index, int):
-    return values[index]
-  selected = values[0]
-  for k in range(1, len(values)):
-    selected = jnp.where(index == k, values[k], selected)
-  return selected
-
-
-def slice_scale(
-    scales: Sequence[jax.Array], offset: Any, lane: jax.Array, geometry: ChunkGeometry
-) -> jax.Array:
-  """The scale of each element of the slice at ``offset`` within a chunk.
-
-  A scalar when the slice lies in one block; a vector when it holds several
-  (then the chunk is one row and ``offset`` is static).
-  """
-  if geometry.block_size >= PLANE_WIDTH:
-    return select_scalar(scales, offset // geometry.block_size)
-  first = offset // geometry.block_size
-  lane_block = lane // jnp.uint32(geometry.block_size)
-  scale = scales[first]
-  for j in range(1, PLANE_WIDTH // geometry.block_size):
-    scale = jnp.where(lane_block == j, scales[first + j], scale)
-  return scale
-
-
-def load_slice(ref, start) -> jax.Array:
-  """The ``PLANE_WIDTH`` elements of ``ref`` from ``start`` on."""
-  return ref[pl.ds(start, PLANE_WIDTH)]
-
-
-def chunk_absmax(x_ref, start, lane: jax.Array, geometry: ChunkGeometry) -> list[jax.Array]:
-  """The absmax of each block of the chunk that begins at element ``start``."""
-  block_size = geometry.block_size
-  if block_size >= PLANE_WIDTH:
-
-    def block_absmax(block_start):
-      def slice_max(i, running):
-        values = load_slice(x_ref, block_start + i * PLANE_WIDTH).astype(jnp.float32)
-        return jnp.maximum(running, jnp.max(jnp.abs(values)))
-
-      return lax.fori_loop(0, block_size // PLANE_WIDTH, slice_max, jnp.float32(0))
-
-    return [block_absmax(start + k * block_size) for k in range(geometry.blocks_per_chunk)]
-
-  lane_block = lane // jnp.uint32(block_size)
-  maxima = []
-  for s in range(geometry.chunk // PLANE_WIDTH):
-    magnitude = jnp.abs(load_slice(x_ref, start + s * PLANE_WIDTH).astype(jnp.float32))
-    for j in range(PLANE_WIDTH // block_size):
-      maxima.append(jnp.max(jnp.where(lane_block == j, magnitude, 0.0)))
-  return maxima
-
-
 def _encode_kernel(
     *refs,
-    geometry: ChunkGeometry,
+    geometry: chunks.ChunkGeometry,
     layout: _Layout,
     chunks_per_step: int,
     stochastic: bool,
@@ -396,13 +276,13 @@ def _encode_kernel(
   else:
     x_ref, stored_ref, scales_ref = refs
     seed = None
-  lane = lane_indices(interpret)
+  lane = chunks.lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
 
   def encode_chunk(i):
     chunk = first_chunk + i
     start = chunk * geometry.chunk
-    scales = chunk_absmax(x_ref, start, lane, geometry)
+    scales = chunks.chunk_absmax(x_ref, start, lane, geometry)
     for k, scale in enumerate(scales):
       scales_ref[chunk * geometry.blocks_per_chunk + k] = scale
 
@@ -410,11 +290,11 @@ def _encode_kernel(
       codes = []
       for plane in range(layout.planes):
         offset = row * geometry.row + plane * PLANE_WIDTH
-        values = load_slice(x_ref, start + offset).astype(jnp.float32)
+        values = chunks.load_slice(x_ref, start + offset).astype(jnp.float32)
         bits = None
         if seed is not None:
           bits = counter_hash_bits(seed, (start + offset).astype(jnp.uint32) + lane)
-        scale = slice_scale(scales, offset, lane, geometry)
+        scale = chunks.slice_scale(scales, offset, lane, geometry)
         codes.append(ternary_codes(values, scale, bits))
       if layout == _UNPACKED:
         trits = _trits_from_codes(codes[0])
@@ -423,9 +303,9 @@ def _encode_kernel(
         byte = chunk * (geometry.chunk // layout.planes) + row * PLANE_WIDTH
         stored_ref[pl.ds(byte, PLANE_WIDTH)] = packing.combine_planes(codes, layout.base)
 
-    for_each_index(geometry.rows_per_chunk, encode_row)
+    chunks.for_each_index(geometry.rows_per_chunk, encode_row)
 
-  for_each_index(chunks_per_step, encode_chunk)
+  chunks.for_each_index(chunks_per_step, encode_chunk)
 
 
 def _decode_kernel(
@@ -433,13 +313,13 @@ def _decode_kernel(
     scales_ref,
     out_ref,
     *,
-    geometry: ChunkGeometry,
+    geometry: chunks.ChunkGeometry,
     layout: _Layout,
     chunks_per_step: int,
     interpret: bool,
 ) -> None:
   """Per chunk: load the block scales, unpack each row's planes, scale them."""
-  lane = lane_indices(interpret)
+  lane = chunks.lane_indices(interpret)
   first_chunk = lax.axis_index("steps") * chunks_per_step
 
   def decode_chunk(i):
@@ -450,31 +330,16 @@ def _decode_kernel(
 
     def decode_row(row):
       byte = chunk * (geometry.chunk // layout.planes) + row * PLANE_WIDTH
-      codes = packing.split_planes(load_slice(stored_ref, byte), layout.base, layout.planes)
+      codes = packing.split_planes(chunks.load_slice(stored_ref, byte), layout.base, layout.planes)
       for plane, plane_codes in enumerate(codes):
         offset = row * geometry.row + plane * PLANE_WIDTH
-        scale = slice_scale(scales, offset, lane, geometry)
+        scale = chunks.slice_scale(scales, offset, lane, geometry)
         values = dequantize_codes(plane_codes, scale)
         out_ref[pl.ds(start + offset, PLANE_WIDTH)] = values.astype(out_ref.dtype)
 
-    for_each_index(geometry.rows_per_chunk, decode_row)
+    chunks.for_each_index(geometry.rows_per_chunk, decode_row)
 
-  for_each_index(chunks_per_step, decode_chunk)
-
-
-def _default_chunks_per_step(full_chunks: int, geometry: ChunkGeometry) -> int:
-  most = max(1, _MAX_STEP_ELEMENTS // geometry.chunk)
-  return max(1, min(most, full_chunks // _MIN_GRID_STEPS))
-
-
-def grid_extent(
-    size: int, geometry: ChunkGeometry, chunks_per_step: int | None
-) -> tuple[int, int]:
-  """(grid steps, chunks per step) of the kernel part of ``size`` elements."""
-  full_chunks = size // geometry.chunk
-  if chunks_per_step is None:
-    chunks_per_step = _default_chunks_per_step(full_chunks, geometry)
-  return full_chunks // chunks_per_step, chunks_per_step
+  chunks.for_each_index(chunks_per_step, decode_chunk)
 
 
 def _encode_pallas(
@@ -488,8 +353,8 @@ def _encode_pallas(
 ) -> tuple[jax.Array, jax.Array]:
   """The encode kernel on whole grid steps of chunks, XLA on the rest."""
   size = x.shape[0]
-  geometry = ChunkGeometry(block_size, layout.planes)
-  steps, chunks_per_step = grid_extent(size, geometry, chunks_per_step)
+  geometry = chunks.ChunkGeometry(block_size, layout.planes)
+  steps, chunks_per_step = chunks.grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
     return encode_reference(x, block_size=block_size, layout=layout, seed=seed)
   if x.dtype not in _KERNEL_INPUT_DTYPES:
@@ -536,8 +401,8 @@ def _decode_pallas(
     chunks_per_step: int | None = None,
 ) -> jax.Array:
   """The decode kernel on whole grid steps of chunks, XLA on the rest."""
-  geometry = ChunkGeometry(block_size, layout.planes)
-  steps, chunks_per_step = grid_extent(size, geometry, chunks_per_step)
+  geometry = chunks.ChunkGeometry(block_size, layout.planes)
+  steps, chunks_per_step = chunks.grid_extent(size, geometry, chunks_per_step)
   if steps == 0:
     return decode_reference(
         stored, scales, size=size, block_size=block_size, layout=layout, dtype=dtype
@@ -689,7 +554,7 @@ def ternary_encode(
   return TernaryArray(packed, scales)
 
 
-def check_ternary_array(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
+def _check_ternary_array(packed, scales, *, size: int, block_size: int, layout: _Layout) -> None:
   """Raises ``ValueError`` unless ``packed`` (and ``scales``, unless None) fit ``size`` elements."""
   expected = (packing.packed_size(size, layout.planes),)
   if packed.shape != expected or packed.dtype != jnp.uint8:
@@ -743,7 +608,7 @@ def ternary_decode(
     raise ValueError(f"dtype must be a floating dtype; got {dtype!r}.")
   implementation = dispatch.resolve("ternary", implementation)
   packed, scales = (jnp.asarray(a) for a in t)
-  check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
+  _check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
   return _decode(
       packed,
       scales,
@@ -878,7 +743,7 @@ def unpack_trits(
   layout = packing_layout(packing)
   implementation = dispatch.resolve("ternary", implementation)
   packed = jnp.asarray(packed)
-  check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
+  _check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
   block_size = _row_block_size(layout)
   ones = jnp.ones((_num_blocks(size, block_size),), jnp.float32)
   return _decode(

@@ -1,8 +1,8 @@
 """Ternary codes: kernel/XLA parity, exact packing, rounding error and unbiasedness.
 
 Expected values come from numpy re-derivations of the definitions (absmax
-scales, round-to-nearest trits, the planar byte layout through
-``packing.pack``) and, for stochastic rounding, from the Bernoulli variance.
+scales, round-to-nearest trits, the documented planar byte layout) and, for
+stochastic rounding, from the Bernoulli variance.
 Inputs are drawn fresh each run; the seed is in every failure message.
 """
 
@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pallas_kernels import packing
+from pallas_kernels import _ternary_chunks as chunks
+from pallas_kernels import dispatch
 from pallas_kernels import ternary
 
 pytestmark = pytest.mark.kernels
@@ -50,18 +51,31 @@ def _numpy_round(x: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray
   return np.round(ratio).astype(np.int8), scales.astype(np.float32)
 
 
+def _planar_bytes(codes: np.ndarray, base: int, planes: int) -> np.ndarray:
+  """The documented planar layout: rows of ``planes * 128`` codes, byte ``j`` of a row
+  ``sum_p base**p code[p * 128 + j]``; a last row of ``r`` codes has planes of
+  ``ceil(r / planes)`` codes, zero padded."""
+  codes = np.asarray(codes, np.int64).reshape(-1)
+  row, out = planes * 128, []
+  for start in range(0, codes.size, row):
+    part = codes[start : start + row]
+    width = -(-part.size // planes)
+    padded = np.zeros(planes * width, np.int64)
+    padded[: part.size] = part
+    out.append(padded.reshape(planes, width).T @ base ** np.arange(planes))
+  return np.concatenate(out).astype(np.uint8) if out else np.zeros(0, np.uint8)
+
+
 # Interpret-mode kernels equal XLA bit for bit. Cases cover both packings,
 # every kind of block (masked sub-slice blocks, one block per slice, blocks
 # spanning rows), deterministic and stochastic rounding, tails, 2-D inputs,
-# bfloat16, and inputs too short for any kernel chunk.
+# bfloat16. Every case holds at least one whole kernel chunk.
 _PARITY_CASES = [
     # packing, block_size, shape, dtype, stochastic
     ("base3", 64, (3, 700), np.float32, False),
     ("base3", 256, (2661,), np.float32, True),
-    ("base3", 128, (5,), np.float32, True),
     ("2bit", 32, (1300,), jnp.bfloat16, True),
     ("2bit", 384, (1600,), np.float32, False),
-    ("2bit", 128, (0,), np.float32, True),
 ]
 
 
@@ -69,6 +83,8 @@ _PARITY_CASES = [
 def test_interpret_kernels_equal_xla(packing_name, block_size, shape, dtype, stochastic):
   seed = _fresh_seed()
   x = jnp.asarray(_heavy_tailed(seed, shape), dtype)
+  geometry = chunks.ChunkGeometry(block_size, _LAYOUTS[packing_name][1])
+  assert chunks.grid_extent(x.size, geometry, None)[0] > 0, "the case must run the kernel"
   key = jax.random.key(seed) if stochastic else None
   encode = functools.partial(
       ternary.ternary_encode, x, block_size=block_size, key=key, packing=packing_name
@@ -167,7 +183,7 @@ def test_nearest_rounding_matches_numpy_and_packs_in_planar_order(packing_name, 
   trits, scales = _numpy_round(x, block_size)
   t = ternary.ternary_encode(x, block_size=block_size, packing=packing_name, implementation="xla")
   base, planes = _LAYOUTS[packing_name]
-  expected_packed = packing.pack(jnp.asarray(trits + 1, jnp.uint8), base=base, planes=planes)
+  expected_packed = _planar_bytes(trits + 1, base, planes)
   chex.assert_trees_all_equal(t.scales, scales, custom_message=f"seed={seed}")
   chex.assert_trees_all_equal(t.packed, expected_packed, custom_message=f"seed={seed}")
 
@@ -262,16 +278,64 @@ def test_every_byte_round_trips(packing_name):
 def test_pack_unpack_round_trip(trits, packing_name):
   base, planes = _LAYOUTS[packing_name]
   packed = ternary.pack_trits(trits, packing=packing_name, implementation="xla")
-  chex.assert_trees_all_equal(
-      packed, packing.pack(jnp.asarray(trits + 1, jnp.uint8), base=base, planes=planes)
-  )
+  chex.assert_trees_all_equal(packed, _planar_bytes(trits + 1, base, planes))
   chex.assert_trees_all_equal(
       ternary.unpack_trits(packed, size=trits.size, packing=packing_name, implementation="xla"),
       jnp.asarray(trits),
   )
 
 
-def test_zero_blocks_and_empty_input():
+@pytest.mark.parametrize("shape, block_size", [((5,), 128), ((0, 3), 32)])
+@pytest.mark.parametrize("packing_name", ternary.PACKINGS)
+def test_inputs_shorter_than_a_kernel_chunk_are_coded_by_every_implementation(
+    shape, block_size, packing_name
+):
+  """No kernel runs on them: every implementation gives the numpy rounding's bytes."""
+  seed = _fresh_seed()
+  x = _heavy_tailed(seed, shape)
+  trits, scales = _numpy_round(x, block_size)
+  base, planes = _LAYOUTS[packing_name]
+  for implementation in ("xla", "interpret"):
+    t = ternary.ternary_encode(
+        x, block_size=block_size, packing=packing_name, implementation=implementation
+    )
+    chex.assert_trees_all_equal(
+        (t.packed, t.scales), (_planar_bytes(trits + 1, base, planes), scales),
+        custom_message=f"seed={seed}, {implementation}",
+    )
+    decoded = ternary.ternary_decode(
+        t, size=x.size, block_size=block_size, packing=packing_name,
+        implementation=implementation,
+    )
+    expected = trits * np.repeat(scales, block_size)[: x.size]
+    chex.assert_trees_all_equal(decoded, expected, custom_message=f"seed={seed}, {implementation}")
+
+
+@pytest.mark.parametrize("on_hopper, expected", [(True, "pallas"), (False, "xla")])
+def test_automatic_implementation_follows_the_device(monkeypatch, on_hopper, expected):
+  """``implementation=None`` runs the kernels on a Hopper GPU (faked) and XLA elsewhere."""
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: on_hopper)
+  chosen = []
+
+  def spy(original):
+    def run(*args, implementation, **kwargs):
+      chosen.append(implementation)
+      return original(*args, implementation="xla", **kwargs)
+
+    return run
+
+  monkeypatch.setattr(ternary, "_encode", spy(ternary._encode))
+  monkeypatch.setattr(ternary, "_decode", spy(ternary._decode))
+  x = jnp.linspace(-1.0, 1.0, 100)
+  t = ternary.ternary_encode(x, block_size=32)
+  ternary.ternary_decode(t, size=100, block_size=32)
+  ternary.ternary_round(x, block_size=32)
+  packed = ternary.pack_trits(jnp.zeros(100, jnp.int8))
+  ternary.unpack_trits(packed, size=100)
+  assert chosen == [expected] * 5
+
+
+def test_zero_blocks_get_zero_scales_and_trits():
   x = np.zeros(200, np.float32)
   x[130] = -3.0
   for key in (None, jax.random.key(0)):
@@ -280,12 +344,6 @@ def test_zero_blocks_and_empty_input():
     expected = np.zeros(200, np.int8)
     expected[130] = -1
     chex.assert_trees_all_equal(trits, expected)
-  for implementation in ("xla", "interpret"):
-    t = ternary.ternary_encode(jnp.zeros((0, 3)), block_size=32, implementation=implementation)
-    chex.assert_shape((t.packed, t.scales), (0,))
-    chex.assert_shape(
-        ternary.ternary_decode(t, size=0, block_size=32, implementation=implementation), (0,)
-    )
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,6 @@ from flax import nnx
 
 import optax_memopt
 from optax_memopt.training import loop, model
-from pallas_kernels import ternary
-from pallas_kernels import ternary_adam_update
 
 from tests import host_devices
 
@@ -58,6 +56,21 @@ def _grads(seed: int, params) -> dict[str, jax.Array]:
   )
 
 
+def decode_block_major(packed, scales, size, block_size, base=3, planes=5) -> np.ndarray:
+  """The stored moment ``t s`` of ``size`` elements, from the documented block-major layout.
+
+  Byte ``j`` of a block holds the codes ``t + 1`` of its elements
+  ``j + p w`` as digit ``p`` in base ``base`` (``w`` bytes per block).
+  """
+  packed = np.asarray(packed, np.int64)
+  width = packed.shape[-1]
+  packed = packed.reshape(-1, 1, width)
+  codes = packed // base ** np.arange(planes)[:, None] % base
+  codes = codes.reshape(packed.shape[0], planes * width)[:, :block_size].reshape(-1)[:size]
+  scale = np.repeat(np.asarray(scales, np.float64).reshape(-1), block_size)[:size]
+  return (codes - 1) * scale
+
+
 def _layout_of(state) -> dict:
   return jax.tree.map(lambda x: (x.shape, x.dtype), state)
 
@@ -74,15 +87,20 @@ def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_pe
   blocks = {"matrix": (30, 1), "vector": (11,), "stack": (15,)}
   bytes_per_block = math.ceil(BLOCK_SIZE / trits_per_byte)
   for name, shape in blocks.items():
-    mu = state.mu[name]
-    assert isinstance(mu, ternary.TernaryArray), name
-    assert mu.packed.shape == (*shape, bytes_per_block) and mu.packed.dtype == jnp.uint8, name
-    assert mu.scales.shape == (*shape, 1) and mu.scales.dtype == jnp.float32, name
-  assert isinstance(state.nu["matrix"], optax_memopt.FactoredSecondMoment)
-  assert state.nu["matrix"].row.shape == (30,) and state.nu["matrix"].col.shape == (64,)
-  assert state.nu["stack"].row.shape == (3, 20) and state.nu["stack"].col.shape == (3, 16)
-  assert state.nu["vector"].shape == (700,) and state.nu["vector"].dtype == jnp.float32
-  assert state.mu["small"].shape == (10, 20) and state.mu["small"].dtype == jnp.float32
+    packed, scales = state.mu.packed[name], state.mu.scales[name]
+    assert packed.shape == (*shape, bytes_per_block) and packed.dtype == jnp.uint8, name
+    assert scales.shape == (*shape, 1) and scales.dtype == jnp.float32, name
+    assert state.mu.dense[name] is None, name
+  assert state.mu.packed["small"] is None and state.mu.scales["small"] is None
+  assert _layout_of(state.mu.dense["small"]) == ((10, 20), jnp.float32)
+  statistics = {"matrix": ((30,), (64,)), "stack": ((3, 20), (3, 16))}
+  for name, (row, col) in statistics.items():
+    assert _layout_of(state.nu.row[name]) == (row, jnp.float32), name
+    assert _layout_of(state.nu.col[name]) == (col, jnp.float32), name
+    assert state.nu.dense[name] is None, name
+  for name, shape in (("vector", (700,)), ("small", (10, 20))):
+    assert _layout_of(state.nu.dense[name]) == (shape, jnp.float32), name
+    assert state.nu.row[name] is None and state.nu.col[name] is None, name
   assert state.key.dtype == jnp.uint32
 
   layout = _layout_of(state)
@@ -92,7 +110,7 @@ def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_pe
     assert _layout_of(state) == layout, f"seed={seed}"
     chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
   # The moment moved: the stored trits are not the initial zeros any more.
-  assert float(jnp.max(state.mu["matrix"].scales)) > 0, f"seed={seed}"
+  assert float(jnp.max(state.mu.scales["matrix"])) > 0, f"seed={seed}"
 
 
 def test_first_step_is_adam_with_adafactor_second_moment():
@@ -142,7 +160,7 @@ def test_small_tensors_follow_optax_adam():
 def test_complex_parameters_are_refused_by_name(shape):
   opt = optax_memopt.ternary_adam(1e-2)
   params = {"w": jnp.ones(shape, jnp.complex64)}
-  with pytest.raises(ValueError, match=r"complex64 leaf of shape"):
+  with pytest.raises(ValueError, match=r"ternary_adam supports real floating-point parameters .*'w' is complex64"):
     opt.init(params)
   # A real state cannot take complex gradients either (their imaginary part would be lost).
   state = opt.init({"w": jnp.ones(shape)})
@@ -172,23 +190,28 @@ def test_stored_first_moment_is_an_unbiased_estimate():
   state = opt.update(_grads(seed, params), opt.init(params))[1]
   grads = _grads(seed + 1, params)
 
-  def decode(t, size):
-    flat = ternary_adam_update.to_flat(t, size=size, block_size=BLOCK_SIZE)
-    return ternary.ternary_decode(flat, size=size, block_size=BLOCK_SIZE)
-
   def new_moment(key_data):
     mu = opt.update(grads, state._replace(key=key_data))[1].mu
-    return {name: decode(t, params[name].size) for name, t in mu.items()}
+    return mu.packed, mu.scales
 
   key_data = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(seed + 2), keys))
-  decoded = jax.jit(jax.vmap(new_moment))(key_data)
+  packed, scales = jax.jit(jax.vmap(new_moment))(key_data)
+  decoded = {
+      name: np.stack([
+          decode_block_major(packed[name][i], scales[name][i], params[name].size, BLOCK_SIZE)
+          for i in range(keys)
+      ])
+      for name in params
+  }
   for name in params:
-    previous = np.asarray(decode(state.mu[name], params[name].size), np.float64)
+    previous = decode_block_major(
+        state.mu.packed[name], state.mu.scales[name], params[name].size, BLOCK_SIZE
+    )
     exact = b1 * previous + (1 - b1) * np.asarray(grads[name], np.float64).reshape(-1)
     samples = np.asarray(decoded[name], np.float64)
     # The new scales: the bound b1 s + (1 - b1) max |g| of each block.
     gradient = np.asarray(grads[name], np.float64).reshape(-1)
-    old_scales = np.asarray(state.mu[name].scales, np.float64).reshape(-1)
+    old_scales = np.asarray(state.mu.scales[name], np.float64).reshape(-1)
     bound = b1 * old_scales + (1 - b1) * np.array([
         np.abs(gradient[i : i + BLOCK_SIZE]).max() for i in range(0, gradient.size, BLOCK_SIZE)
     ])
@@ -219,7 +242,7 @@ def test_runs_replay_exactly_from_the_same_key():
   first, again = run(jax.random.key(seed)), run(jax.random.key(seed))
   chex.assert_trees_all_equal(first, again)
   other = run(jax.random.key(seed + 1))
-  assert not np.array_equal(first[1][0].mu["matrix"].packed, other[1][0].mu["matrix"].packed), (
+  assert not np.array_equal(first[1][0].mu.packed["matrix"], other[1][0].mu.packed["matrix"]), (
       f"seed={seed}: another key must round differently"
   )
 
@@ -332,3 +355,168 @@ def test_bad_hyperparameters_raise_when_built(kwargs, name):
     optax_memopt.scale_by_ternary_adam(**kwargs)
   with pytest.raises(ValueError, match=name):
     optax_memopt.ternary_adam(1e-3, **kwargs)
+
+
+def _uniforms(seed: int, size: int) -> np.ndarray:
+  """The documented rounding uniforms: ``(h(seed ^ i) >> 8) / 2**24`` with
+  ``h(x) = y ^ (y >> 16)``, ``y = x * 0x9E3779B1 mod 2**32``."""
+  y = ((np.arange(size, dtype=np.uint64) ^ np.uint64(seed)) * np.uint64(0x9E3779B1)) % 2**32
+  h = y ^ (y >> np.uint64(16))
+  return (h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
+
+
+class _NumpyTernaryAdam:
+  """Ternary Adam re-implemented from its documented formulas, one tensor at a time.
+
+  Small tensors: Adam in float64. Others: ``m = b1 t s + (1 - b1) g`` (exact
+  in float32 for the dyadic inputs of the test), block scales
+  ``b1 s + (1 - b1) max |g|``, trits ``sign(m) [u s < |m|]`` with the
+  documented uniforms, ``nu`` elementwise for vectors and Adafactor's
+  ``outer(R, C) / mean(R)`` over the last two axes for matrices.
+  """
+
+  def __init__(self, params, *, b1, b2, eps, block_size, min_size):
+    self.b1, self.b2, self.eps, self.block_size, self.min_size = b1, b2, eps, block_size, min_size
+    self.count = 0
+    self.state = {}
+    for name, p in params.items():
+      shape, size = p.shape, p.size
+      if size < min_size:
+        self.state[name] = dict(m=np.zeros(shape), nu=np.zeros(shape))
+        continue
+      n_blocks = -(-size // block_size)
+      moment = dict(trits=np.zeros(size), scales=np.zeros(n_blocks, np.float32))
+      if len(shape) >= 2:
+        moment.update(row=np.zeros(shape[:-1]), col=np.zeros(shape[:-2] + shape[-1:]))
+      else:
+        moment.update(nu=np.zeros(shape))
+      self.state[name] = moment
+
+  def step(self, grads, seeds):
+    self.count += 1
+    k, b1, b2, eps = self.count, self.b1, self.b2, self.eps
+    directions = {}
+    for name, g in grads.items():
+      s = self.state[name]
+      g64 = np.asarray(g, np.float64)
+      if "m" in s:
+        s["m"] = b1 * s["m"] + (1 - b1) * g64
+        s["nu"] = b2 * s["nu"] + (1 - b2) * g64**2
+        directions[name] = (s["m"] / (1 - b1**k)) / (np.sqrt(s["nu"] / (1 - b2**k)) + eps)
+        continue
+      size, block = g64.size, self.block_size
+      flat_g = np.asarray(g, np.float32).reshape(-1)
+      stored = s["trits"] * np.repeat(s["scales"], block)[:size]
+      m = (np.float32(b1) * stored + np.float32(1 - b1) * flat_g).astype(np.float32)
+      padded = np.zeros(s["scales"].size * block, np.float32)
+      padded[:size] = np.abs(flat_g)
+      s["scales"] = np.float32(b1) * s["scales"] + np.float32(1 - b1) * padded.reshape(-1, block).max(1)
+      scale = np.repeat(s["scales"], block)[:size]
+      s["trits"] = np.where(_uniforms(seeds[name], size) * scale < np.abs(m), np.sign(m), 0.0)
+      if "nu" in s:
+        s["nu"] = b2 * s["nu"] + (1 - b2) * g64**2
+        nu = s["nu"]
+      else:
+        squared = g64**2 + 1e-30
+        s["row"] = b2 * s["row"] + (1 - b2) * squared.mean(axis=-1)
+        s["col"] = b2 * s["col"] + (1 - b2) * squared.mean(axis=-2)
+        nu = s["row"][..., :, None] * s["col"][..., None, :] / s["row"].mean(-1)[..., None, None]
+      m_hat = m.astype(np.float64).reshape(g64.shape) / (1 - b1**k)
+      directions[name] = m_hat / (np.sqrt(nu / (1 - b2**k)) + eps)
+    return directions
+
+
+def _dyadic_grads(seed, params):
+  """Multiples of 2**-8 below 8 in magnitude: the ternary moment stays exact in float32."""
+  rng = np.random.default_rng(seed)
+  return {
+      name: np.clip(np.round(rng.standard_normal(p.shape) * 256) / 256, -8, 8).astype(np.float32)
+      for name, p in params.items()
+  }
+
+
+def test_several_steps_and_a_resume_follow_the_numpy_reimplementation():
+  """Four steps, the state saved to numpy and restored into a new optimizer after two.
+
+  Checks the directions, the stored trits and scales exactly, and the
+  factored statistics' recursion ``b2 R + (1 - b2) mean(g**2 + eps)``, which
+  step 1 alone (starting from zero) cannot test. The rounding seeds are the
+  documented ones: each step splits the key into the next key and a step
+  key, and ``jax.random.bits(step_key, (leaves,), uint32)`` gives one per
+  leaf in ``jax.tree.leaves`` order.
+  """
+  seed = _fresh_seed()
+  block_size, min_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
+  params = {
+      "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
+      "small": np.zeros((5, 6), np.float32),  # Plain Adam.
+      "stack": np.zeros((2, 12, 40), np.float32),  # Flat blocks, factored per matrix.
+      "vector": np.zeros((200,), np.float32),  # A partial last block, elementwise nu.
+  }
+  options = dict(b1=b1, b2=b2, eps=eps, block_size=block_size, min_size=min_size)
+  make = lambda: optax_memopt.scale_by_ternary_adam(**options, key=seed)
+  opt = make()
+  state = opt.init(params)
+  reference = _NumpyTernaryAdam(params, **options)
+  key = jax.random.key(seed)
+  for step in range(4):
+    if step == 2:  # Saved as numpy arrays, restored into a freshly built optimizer.
+      saved = jax.tree.map(np.asarray, state)
+      opt, state = make(), jax.tree.map(jnp.asarray, saved)
+    grads = _dyadic_grads(seed + step, params)
+    key, step_key = jax.random.split(key)
+    leaf_seeds = np.asarray(jax.random.bits(step_key, (len(params),), jnp.uint32))
+    expected = reference.step(grads, dict(zip(sorted(params), leaf_seeds.tolist())))
+    updates, state = jax.jit(opt.update)(grads, state)
+    message = f"seed={seed}, step {step + 1}"
+    for name, direction in expected.items():
+      np.testing.assert_allclose(
+          updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, {message}"
+      )
+      kept = reference.state[name]
+      if "trits" not in kept:
+        continue
+      size = params[name].size
+      np.testing.assert_array_equal(
+          np.asarray(state.mu.scales[name]).reshape(-1), kept["scales"], err_msg=f"{name}, {message}"
+      )
+      np.testing.assert_array_equal(
+          decode_block_major(state.mu.packed[name], state.mu.scales[name], size, block_size),
+          kept["trits"] * np.repeat(kept["scales"], block_size)[:size],
+          err_msg=f"{name}, {message}",
+      )
+      if "row" in kept:
+        np.testing.assert_allclose(state.nu.row[name], kept["row"], rtol=1e-5, err_msg=f"{name}, {message}")
+        np.testing.assert_allclose(state.nu.col[name], kept["col"], rtol=1e-5, err_msg=f"{name}, {message}")
+
+
+class _Model(nnx.Module):
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(16, 32, rngs=rngs)  # Ternary, factored nu.
+    self.out = nnx.Linear(32, 4, rngs=rngs)  # Its kernel ternary; the biases small.
+
+  def __call__(self, x):
+    return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_trains_under_nnx_jit_with_nnx_optimizer():
+  """``nnx.Optimizer`` and an ``nnx.jit`` step: NNX rebuilds the state's trees on every call."""
+  seed = _fresh_seed()
+  model = _Model(nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(
+      model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param
+  )
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  x = jax.random.normal(jax.random.key(seed), (32, 16))
+  y = jnp.tanh(x[:, :4])
+  losses = [float(train_step(model, optimizer, x, y)) for _ in range(20)]
+  assert losses[-1] < 0.7 * losses[0], f"seed={seed}: {losses}"
+  state = optimizer.opt_state[0]
+  assert state.mu.packed["hidden"]["kernel"].shape == (16, 1, 7), f"seed={seed}"
+  assert state.nu.row["hidden"]["kernel"].shape == (16,), f"seed={seed}"

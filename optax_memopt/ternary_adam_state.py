@@ -1,0 +1,115 @@
+"""The state of ternary-state Adam: one parameter-shaped tree per field.
+
+Each parameter falls in one of three kinds, by its size and rank:
+
+* **small** (fewer than ``min_size`` elements): plain Adam, float32 ``m`` and
+  ``nu`` of the parameter's shape;
+* **ternary vector** (at least ``min_size`` elements, rank < 2): ``m`` as
+  block-major trits (:mod:`pallas_kernels.ternary_blocks`), float32 ``nu`` of
+  the parameter's shape;
+* **ternary matrix** (at least ``min_size`` elements, rank >= 2): ``m`` as
+  trits, ``nu`` as Adafactor's row and column statistics over the last two
+  axes.
+
+Every field is a tree shaped like the parameters holding at most one array
+per parameter (Flax NNX rebuilds any container found at a parameter's place
+as an ``nnx.State``). A parameter for which a field does not apply holds
+``None`` there, an empty subtree: it costs no bytes, and orbax (which
+refuses to save arrays of size 0) and ``jax.tree`` functions skip it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pallas_kernels import ternary_blocks
+
+
+class TernaryMoment(NamedTuple):
+  """The first moment ``m``, one tree per field."""
+
+  # uint8 (*blocks, ceil(block_size / trits_per_byte)) per ternary parameter,
+  # the block-major layout of ternary_blocks.shapes; None per small one.
+  packed: optax.Updates
+  # float32 (*blocks, 1) per ternary parameter, its block scales; None per
+  # small one.
+  scales: optax.Updates
+  # float32 of the parameter's shape per small parameter; None per
+  # ternary one.
+  dense: optax.Updates
+
+
+class FactoredSecondMoment(NamedTuple):
+  """The second moment ``nu``, one tree per field."""
+
+  # float32 (..., r) per ternary matrix (..., r, c): EMA of the mean of
+  # g**2 + 1e-30 over the last axis; None per other parameter.
+  row: optax.Updates
+  # float32 (..., c) per ternary matrix: EMA of the mean over the
+  # second-to-last axis; None per other parameter.
+  col: optax.Updates
+  # float32 of the parameter's shape per small parameter and ternary vector;
+  # None per ternary matrix.
+  dense: optax.Updates
+
+
+class ScaleByTernaryAdamState(NamedTuple):
+  """State of ``scale_by_ternary_adam``."""
+
+  count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
+  key: jax.Array  # uint32 key data of the rounding key, shape of the key's impl.
+  mu: TernaryMoment  # Three trees like the params (see TernaryMoment).
+  nu: FactoredSecondMoment  # Three trees like the params (see FactoredSecondMoment).
+
+
+def is_ternary(param: jax.Array, min_size: int) -> bool:
+  """Whether ``param``'s first moment is stored as trits."""
+  return param.size >= min_size
+
+
+def is_factored(param: jax.Array, min_size: int) -> bool:
+  """Whether ``param``'s second moment is factored into row and column statistics."""
+  return is_ternary(param, min_size) and param.ndim >= 2
+
+
+
+
+def init_state(
+    params: optax.Params, key_data: jax.Array, *, block_size: int, min_size: int, packing: str
+) -> ScaleByTernaryAdamState:
+  """Zero moments for ``params``: zero trits and scales, zero statistics."""
+
+  def zero_trits(param):
+    if is_ternary(param, min_size):
+      return ternary_blocks.zeros(param.shape, block_size=block_size, packing=packing)
+    return None, None
+
+  def zero_dense(param, applies):
+    return jnp.zeros(param.shape, jnp.float32) if applies else None
+
+  def zero_statistic(param, axis):
+    if not is_factored(param, min_size):
+      return None
+    shape = list(param.shape)
+    del shape[axis]
+    return jnp.zeros(shape, jnp.float32)
+
+  return ScaleByTernaryAdamState(
+      count=jnp.zeros([], jnp.int32),
+      key=key_data,
+      mu=TernaryMoment(
+          packed=jax.tree.map(lambda p: zero_trits(p)[0], params),
+          scales=jax.tree.map(lambda p: zero_trits(p)[1], params),
+          dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_size)), params),
+      ),
+      nu=FactoredSecondMoment(
+          row=jax.tree.map(lambda p: zero_statistic(p, -1), params),
+          col=jax.tree.map(lambda p: zero_statistic(p, -2), params),
+          dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_size)), params),
+      ),
+  )
+
