@@ -8,7 +8,6 @@ Generic optimizer properties (jit, dtypes, inject_hyperparams, ...) live in
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import chex
@@ -21,18 +20,15 @@ import pytest
 import optax_memopt
 from optax_memopt import state_nbytes
 
-GOLDEN_ROOT = Path(
-    os.environ.get(
-        "OPTAX_MEMOPT_GOLDEN", Path(__file__).resolve().parents[2] / "shared" / "golden"
-    )
-)
-GOLDEN = GOLDEN_ROOT / "adam_mini"
+# The reference's trajectories (adam-mini 1.1.1), kept in the repository; the
+# README beside them says how they were made.
+GOLDEN = Path(__file__).resolve().parent / "data" / "adam_mini"
 
 
 def load_golden(name):
   path = GOLDEN / f"{name}.npz"
   if not path.exists():
-    pytest.skip(f"golden data {path} is absent (set OPTAX_MEMOPT_GOLDEN to its folder)")
+    pytest.fail(f"golden data {path} is missing: it is part of the repository (tests/data/adam_mini)")
   data = np.load(path)
   return data, json.loads(str(data["meta"]))
 
