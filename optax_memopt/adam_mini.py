@@ -202,9 +202,9 @@ def scale_by_adam_mini(
       return _divide_by_block(m_hat, denominator), m, v
 
     steps = jax.tree.map(update_leaf, updates, state.mu, state.nu)
-    directions, mu, nu = jax.tree.transpose(
-        jax.tree.structure(updates), jax.tree.structure((0, 0, 0)), steps
-    )
+    # Unzipped along ``updates``, which may have no leaf at all (every
+    # parameter routed elsewhere by optax.partition).
+    directions, mu, nu = (jax.tree.map(lambda _, step: step[i], updates, steps) for i in range(3))
     directions = optax.tree.cast_like(directions, updates)
     mu = optax.tree.cast_like(mu, state.mu)
     return directions, ScaleByAdamMiniState(count=count, mu=mu, nu=nu)

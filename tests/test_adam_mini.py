@@ -349,6 +349,16 @@ def test_bad_arguments_raise_at_build_time(kwargs, message):
     optax_memopt.scale_by_adam_mini(**kwargs)
 
 
+def test_steps_under_optax_partition_when_no_parameter_is_routed_to_it():
+  params = {"dense": {"kernel": jnp.ones((4, 3))}, "layers": (jnp.ones(3), None)}
+  grads = jax.tree.map(lambda p: 2 * p, params)
+  labels = {"dense": {"kernel": "adam"}, "layers": ("adam", None)}
+  tx = optax.partition({"adam_mini": optax_memopt.scale_by_adam_mini(), "adam": optax.scale_by_adam()}, labels)
+  updates, _ = tx.update(grads, tx.init(params))
+  adam = optax.scale_by_adam()
+  chex.assert_trees_all_close(updates, adam.update(grads, adam.init(params))[0])
+
+
 def test_integer_parameter_is_refused_at_init_naming_it():
   params = {"dense": {"kernel": jnp.zeros((4, 3))}, "step": {"table": jnp.zeros((2, 3), jnp.int32)}}
   with pytest.raises(ValueError, match=r"Adam-mini supports floating-point and complex .* 'step/table' is int32"):
