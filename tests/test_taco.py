@@ -120,7 +120,7 @@ def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype):
   # The alias steps against the direction, scaled by the learning rate.
   alias = optax_memopt.taco(0.5, k=0, labels=jax.tree.map(lambda _: "taco", grads), matrix_axes=axes_by_name)
   alias_updates, _ = alias.update(jax_grads, alias.init(jax_grads), jax_grads)
-  chex.assert_trees_all_close(alias_updates, jax.tree.map(lambda u: -0.5 * u, updates))
+  chex.assert_trees_all_close(alias_updates, jax.tree.map(lambda u: -0.5 * u, updates), custom_message=f"seed={seed}")
 
 
 @pytest.mark.parametrize("segments", [1, None])  # the row's top k; k parts of one (the default)
@@ -202,6 +202,27 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
 
+def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float32, implementation=None):
+  """Four steps of ternary gradients with beta = 1/2 (exact in e4m3) against ``numpy_heavy_hitters``."""
+  beta, steps = 0.5, 4
+  grads = ternary_grads(seed, steps, shape)
+  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
+  assert_exact_in_float8(want_momenta, seed)
+  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments, implementation=implementation)
+  state = tx.init({"w": jnp.zeros(shape, dtype)})
+  update = jax.jit(tx.update)
+  for step, (g, want) in enumerate(zip(grads, want_directions)):
+    updates, state = update({"w": jnp.asarray(g, dtype)}, state)
+    np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
+  rows = shape[0]
+  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
+  np.testing.assert_array_equal(
+      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
+      want_momenta,
+      err_msg=f"seed={seed}",
+  )
+
+
 @pytest.mark.parametrize(
     "k, segments",
     [
@@ -212,23 +233,7 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
     ],
 )
 def test_partial_tracking_follows_the_merge_rule(k, segments):
-  seed = fresh_seed()
-  beta, steps, shape = 0.5, 4, (6, 10)
-  grads = ternary_grads(seed, steps, shape)
-  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
-  assert_exact_in_float8(want_momenta, seed)
-  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments)
-  state = tx.init({"w": jnp.zeros(shape)})
-  for step, (g, want) in enumerate(zip(grads, want_directions)):
-    updates, state = tx.update({"w": jnp.asarray(g)}, state)
-    np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
-  rows = shape[0]
-  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
-  np.testing.assert_array_equal(
-      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
-      want_momenta,
-      err_msg=f"seed={seed}",
-  )
+  assert_steps_follow_the_merge_rule(fresh_seed(), (6, 10), k, segments)
 
 
 def test_stacked_layers_are_independent_matrices():
@@ -251,25 +256,8 @@ def test_stacked_layers_are_independent_matrices():
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("k, segments", [(4, 1), (4, 2), (3, 3)])
 def test_both_selection_paths_step_like_the_numpy_reference(k, segments, implementation):
-  seed = fresh_seed()
-  beta, steps = 0.5, 4
-  shape = (5, 300)  # rows of three kernel lanes, the last one padded; parts of 300, 150 or 100
-  grads = ternary_grads(seed, steps, shape)
-  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
-  assert_exact_in_float8(want_momenta, seed)
-  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments, implementation=implementation)
-  state = tx.init({"w": jnp.zeros(shape, jnp.bfloat16)})
-  update = jax.jit(tx.update)
-  for step, (g, want) in enumerate(zip(grads, want_directions)):
-    updates, state = update({"w": jnp.asarray(g, jnp.bfloat16)}, state)
-    np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
-  rows = shape[0]
-  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
-  np.testing.assert_array_equal(
-      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
-      want_momenta,
-      err_msg=f"seed={seed}",
-  )
+  # Rows of three kernel lanes, the last one padded; parts of 300, 150 or 100.
+  assert_steps_follow_the_merge_rule(fresh_seed(), (5, 300), k, segments, jnp.bfloat16, implementation)
 
 
 @pytest.mark.parametrize(
