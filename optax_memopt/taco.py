@@ -156,6 +156,11 @@ class ScaleByTacoState(NamedTuple):
   width)`` heavy hitters by decreasing ``|momentum|`` (``parts = 1`` and
   ``slots = min(k, n_out)`` for one segment). The segment axis lets the state
   shard with its parameter's output axis (``optax_memopt.state_shardings``).
+
+  ``index``, ``momentum`` and ``scale`` are trees like the parameters, with
+  exactly one array per parameter (the layout Flax NNX's ``nnx.Optimizer``
+  keeps intact under ``nnx.jit``); with ``k = 0`` those arrays are empty
+  (``slots = 0``), of the shapes below.
   """
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.

@@ -89,17 +89,6 @@ class ColumnSelection(NamedTuple):
   value: jax.Array  # shape=(*rows, keep), dtype=jnp.float32: u[r, index[r, j]].
 
 
-def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: jax.Array) -> jax.Array:
-  """``u``: ``grads`` in float32 with each row's offsets added at its tracked columns."""
-  *rows, width = grads.shape
-  u = grads.astype(jnp.float32).reshape(-1, width)
-  row = jnp.arange(u.shape[0])[:, None]
-  u = u.at[row, tracked_index.reshape(len(u), -1)].add(
-      tracked_offset.astype(jnp.float32).reshape(len(u), -1)
-  )
-  return u.reshape(*rows, width)
-
-
 def column_select_reference(
     grads: jax.Array,
     tracked_index: jax.Array | None = None,
@@ -115,7 +104,10 @@ def column_select_reference(
   """
   u = grads.astype(jnp.float32)
   if tracked_index is not None:
-    u = _with_offsets(grads, tracked_index, tracked_offset)
+    rows = u.reshape(-1, u.shape[-1])
+    row = jnp.arange(len(rows))[:, None]
+    offsets = tracked_offset.astype(jnp.float32).reshape(len(rows), -1)
+    u = rows.at[row, tracked_index.reshape(len(rows), -1)].add(offsets).reshape(u.shape)
   index = lax.top_k(jnp.abs(u), keep)[1]
   return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
 
@@ -283,8 +275,8 @@ def column_select(
     tracked_index: ``[*rows, t]`` integer columns in ``[0, width)``, distinct
       within a row; ``None`` (with ``tracked_offset``) for no tracked entries.
     tracked_offset: ``[*rows, t]`` offsets added to ``grads`` at
-      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA
-      recomputes ``u`` in each of the two reductions: if the offset is an
+      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA may
+      recompute ``u`` in each of the two reductions: if the offset is an
       inexact product computed in the same jit, XLA may fuse it into the add
       as an FMA in one reduction and not the other, and a row's largest
       would then match no entry. Pass offsets whose product is exact (TACO
