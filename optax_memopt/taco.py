@@ -41,17 +41,13 @@ Only the abstract is public; every choice below it leaves open is ours:
   ``ceil(n_out / segments)`` columns, and the merge rule runs in each part
   with ``k / segments`` slots. The step is still on the row's largest
   ``|u|`` (it is some part's largest), but the slots spread over the row
-  instead of following its ``k`` largest entries (``segments = 1``). We
-  default to one slot per part because it costs little and buys much: the
-  selection is two fused reductions per part instead of a per-row top-k (on
-  XLA:CPU the step of the 10M-parameter benchmark model takes about 1x
-  ``optax.adamw``'s, against 7-12x with one segment, ``benchmarks.step_time``),
-  and a part's slots live with its columns, so under tensor parallelism
-  every device keeps the state of its own columns (``segments`` a multiple
-  of the ``tp`` size). It costs some loss: in ``benchmarks.convergence``
-  the demo model reaches validation losses of 2.222 with 16 parts against
-  2.173 with one after 1000 steps of pre-training, 1.996 against 1.981 after
-  300 steps of fine-tuning (TACO's use case).
+  instead of following its ``k`` largest entries (``segments = 1``). One
+  slot per part is the default because the selection is then two reductions
+  per part instead of a per-row top-k (several times faster on CPU), and a
+  part's slots live with its columns, so under tensor parallelism every
+  device keeps the state of its own columns (``segments`` a multiple of the
+  ``tp`` size). It costs a little loss against ``segments = 1``
+  (``benchmarks/README.md``, convergence).
 * Storage. Momenta are float8 e4m3 codes with one bfloat16 scale per row, the
   smallest power of two at or above ``max|u| / 448`` (448 is e4m3's largest
   value): dividing by a power of two is exact, so codes round only once and
@@ -79,10 +75,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import hyperparameters, sharding
-from optax_memopt.leaves import check_param_dtypes
+from optax_memopt import hyperparameters, leaves, sharding
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, static_args
 from pallas_kernels.column_select import column_select
 
 TACO_LABEL = "taco"
@@ -94,7 +89,6 @@ _CODE_MAX = float(jnp.finfo(_CODE_DTYPE).max)
 _SCALE_DTYPE = jnp.bfloat16
 # Scales stay normal bfloat16 numbers: a subnormal one could flush to zero.
 _MIN_SCALE_EXPONENT = int(jnp.finfo(_SCALE_DTYPE).minexp)
-_MAX_INT16_OUTPUTS = 2**15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +118,8 @@ class MatrixAxes:
   input_dims: int = 1
 
   def __post_init__(self):
-    for name, least in (("batch_dims", 0), ("input_dims", 1)):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"MatrixAxes.{name} must be an int >= {least}; got {value!r}.")
+    hyperparameters.check_int("MatrixAxes.batch_dims", self.batch_dims, 0)
+    hyperparameters.check_int("MatrixAxes.input_dims", self.input_dims, 1)
 
   def matrix_shape(self, shape: Sequence[int]) -> tuple[tuple[int, ...], int, int] | None:
     """``(batch_shape, n_in, n_out)``, or ``None`` when ``shape`` has no output axis left."""
@@ -164,11 +156,17 @@ class ScaleByTacoState(NamedTuple):
   width)`` heavy hitters by decreasing ``|momentum|`` (``parts = 1`` and
   ``slots = min(k, n_out)`` for one segment). The segment axis lets the state
   shard with its parameter's output axis (``optax_memopt.state_shardings``).
+
+  ``index``, ``momentum`` and ``scale`` are trees like the parameters, with
+  exactly one array per parameter (the layout Flax NNX's ``nnx.Optimizer``
+  keeps intact under ``nnx.jit``); with ``k = 0`` those arrays are empty
+  (``slots = 0``), of the shapes below.
   """
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
   # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.int16 (int32 above
-  # 32768 outputs): the tracked output indices, distinct within a row.
+  # static_args.INT16_INDEX_LIMIT outputs): the tracked output indices,
+  # distinct within a row.
   index: optax.Updates
   # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: momentum / scale.
   momentum: optax.Updates
@@ -204,19 +202,6 @@ def _matrix_shape(axes: MatrixAxes, path, leaf) -> tuple[tuple[int, ...], int, i
         " matrix_axes."
     )
   return shape
-
-
-def _map_with_path(fn: Callable[..., tuple], outputs: int, tree: Any, *others: Any) -> list[Any]:
-  """``outputs`` trees shaped like ``tree`` from ``fn(path, leaf, *other_leaves) -> tuple``."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  others = [treedef.flatten_up_to(other) for other in others]
-  results = [fn(path, leaf, *rest) for (path, leaf), *rest in zip(leaves, *others)]
-  columns = zip(*results) if results else [()] * outputs
-  return [treedef.unflatten(list(column)) for column in columns]
-
-
-def _index_dtype(n_out: int) -> jnp.dtype:
-  return jnp.dtype(jnp.int16 if n_out <= _MAX_INT16_OUTPUTS else jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,9 +267,11 @@ def scale_by_taco(
   docstring lists these choices.
 
   Args:
-    k: heavy hitters kept per row (torch column), ``>= 0``; fixes the state's
-      shape, so it is static under ``optax.inject_hyperparams``.
-    beta: momentum decay in ``[0, 1)``; unused when ``k = 0``.
+    k: heavy hitters kept per row (torch column), ``>= 0``; 16 by default,
+      50 bytes per row (module docstring). It fixes the state's shape: list
+      it in ``static_args`` of ``optax.inject_hyperparams``.
+    beta: momentum decay in ``[0, 1)``; 0.9, Adam's and Lion's usual first
+      moment decay. Unused when ``k = 0``.
     segments: contiguous parts of each row that keep ``k / segments`` heavy
       hitters each, ``>= 1`` and dividing ``k``; ``None`` is ``k`` (one
       each, selected by reductions: several times faster on CPU than the
@@ -293,8 +280,10 @@ def scale_by_taco(
       shape: when given, list it in ``static_args`` of
       ``optax.inject_hyperparams``.
     matrix_axes: a :class:`MatrixAxes` for every parameter, or a function
-      ``(path, parameter) -> MatrixAxes``. Every parameter must have an
-      output axis left (use :func:`taco` to route the others elsewhere).
+      ``(path, parameter) -> MatrixAxes`` (a function goes in ``static_args``
+      of ``optax.inject_hyperparams``, which otherwise calls it as a
+      schedule). Every parameter must have an output axis left (use
+      :func:`taco` to route the others elsewhere).
     implementation: selection backend, ``None`` (auto), ``"xla"``,
       ``"pallas"`` or ``"interpret"``: see
       ``pallas_kernels.column_select.column_select``.
@@ -306,7 +295,9 @@ def scale_by_taco(
   Raises:
     ValueError: for ``k < 0``, ``segments`` not dividing ``k``, ``beta``
       outside ``[0, 1)`` (when a Python number), an unknown
-      ``implementation``, or (at ``init``) a parameter with too few axes.
+      ``implementation``, a traced ``k`` or ``segments`` (list them in
+      ``static_args``), or (at ``init``) a parameter with too few axes or
+      not real floating point.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -327,72 +318,78 @@ def scale_by_taco(
   if k % segments:
     raise ValueError(f"segments must divide k={k}; got {segments}.")
   hyperparameters.check_decay_rate("beta", beta)
-  dispatch.check(implementation)  # Validates eagerly.
+  dispatch.check(implementation)
 
   def layout(path, leaf):
     batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, leaf), path, leaf)
     return batch_shape, n_in, n_out, _Segments.of(n_out, k, segments)
 
-  def init_leaf(path, param):
-    batch_shape, n_in, n_out, cut = layout(path, param)
-    rows = (*batch_shape, n_in)
-    # Each segment starts on its first columns, with zero momentum.
-    first_columns = jnp.arange(cut.count)[:, None] * cut.width + jnp.arange(cut.per_segment)
-    slots = (*rows, cut.count, cut.per_segment)
-    return (
-        jnp.broadcast_to(first_columns.astype(_index_dtype(n_out)), slots),
-        jnp.zeros(slots, _CODE_DTYPE),
-        jnp.ones((*rows, min(cut.slots, 1)), _SCALE_DTYPE),
-    )
+  def slots_shape(path, param):
+    batch_shape, n_in, _, cut = layout(path, param)
+    return (*batch_shape, n_in, cut.count, cut.per_segment)
+
+  def first_columns(path, param):
+    # Each part starts on its first columns, with zero momentum.
+    *_, n_out, cut = layout(path, param)
+    columns = jnp.arange(cut.count)[:, None] * cut.width + jnp.arange(cut.per_segment)
+    return jnp.broadcast_to(columns.astype(static_args.index_dtype(n_out)), slots_shape(path, param))
+
+  def unit_scale(path, param):
+    batch_shape, n_in, _, cut = layout(path, param)
+    return jnp.ones((*batch_shape, n_in, min(cut.slots, 1)), _SCALE_DTYPE)
 
   def init_fn(params):
-    check_param_dtypes(params, "taco")
-    index, momentum, scale = _map_with_path(init_leaf, 3, params)
+    leaves.check_param_dtypes(params, "taco")
+    with_path = jax.tree_util.tree_map_with_path
     return ScaleByTacoState(
-        count=jnp.zeros([], jnp.int32), index=index, momentum=momentum, scale=scale
+        count=jnp.zeros([], jnp.int32),
+        index=with_path(first_columns, params),
+        momentum=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
+        scale=with_path(unit_scale, params),
     )
 
   def update_leaf(path, grad, index, codes, scale):
+    """One parameter: select each row's heavy hitters, step on the largest, store them."""
     batch_shape, n_in, n_out, cut = layout(path, grad)
     if grad.size == 0:  # No row to select from, and n_out / n_in is undefined.
       return jnp.zeros_like(grad), index, codes, scale
     rows = math.prod(batch_shape) * n_in
+    # Rows as (rows, parts, width), the last part zero-padded: where tensor
+    # parallelism splits the outputs at part boundaries, every device selects
+    # in its own parts and keeps their slots.
     grads = grad.reshape(rows, n_out)
-    if cut.count * cut.width > n_out:
-      grads = jnp.pad(grads, ((0, 0), (0, cut.count * cut.width - n_out)))
-    # Segments stay an axis of their own, (rows, segments, width): where
-    # tensor parallelism splits the outputs at segment boundaries, every
-    # device selects in its own segments and keeps their slots.
+    grads = jnp.pad(grads, ((0, 0), (0, cut.count * cut.width - n_out)))
+    grads = grads.reshape(rows, cut.count, cut.width)
     start = (jnp.arange(cut.count, dtype=jnp.int32) * cut.width)[:, None]
+    tracked = index.astype(jnp.int32).reshape(rows, cut.count, cut.per_segment) - start
+    momentum = _dequantize(codes, scale[..., None]).reshape(tracked.shape)
+    # U / (1 - beta) = g + w * momentum on the tracked entries: the same
+    # order as |U|. w = beta / (1 - beta) is rounded to bfloat16 so that
+    # w * momentum (8 bits times the codes' 4) is exact: wherever XLA
+    # recomputes U, with or without a fused multiply-add, it rounds the same.
     decay = jnp.asarray(beta, jnp.float32)
-    # column_select ranks |g + offset| = |U| / (1 - beta), the same order.
-    # The weight beta / (1 - beta) is rounded to bfloat16 so that the offset
-    # (8 bits times the codes' 4) is exact: XLA recomputes u in each of the
-    # selection's reductions and may fuse the product into the add there
-    # (an FMA) or not; with an exact product both round u the same way.
     weight = (decay / (1 - decay)).astype(jnp.bfloat16).astype(jnp.float32)
-    offset = weight * _dequantize(codes, scale[..., None])
     selection = column_select(
-        grads.reshape(rows, cut.count, cut.width),
-        index.astype(jnp.int32).reshape(rows, cut.count, cut.per_segment) - start,
-        offset.reshape(rows, cut.count, cut.per_segment),
-        keep=max(cut.per_segment, 1),
-        implementation=implementation,
+        grads, tracked, weight * momentum, keep=max(cut.per_segment, 1), implementation=implementation
     )
-    # Each segment's first slot holds its largest |U|, so the row's largest
-    # is the first largest of those (segments run in column order: ties still
-    # go to the lower column). A small array: XLA selects it on any backend.
     columns = selection.index + start
-    top = column_select(selection.value[..., 0], implementation="xla").index
-    top_value = jnp.take_along_axis(selection.value[..., 0], top, axis=1)
-    top_column = jnp.take_along_axis(columns[..., 0], top, axis=1)
-    on_top = jnp.arange(n_out) == top_column
-    direction = jnp.where(on_top, (n_out / n_in) * jnp.sign(top_value), 0).astype(grad.dtype)
+    # The step: the row's largest |U| is the first slot of its largest part
+    # (parts in column order, so ties still go to the lower column).
+    first = selection.value[..., 0]
+    top_part = jnp.argmax(jnp.abs(first), axis=-1, keepdims=True)
+    top_value = jnp.take_along_axis(first, top_part, axis=-1)
+    # Its column as a masked sum rather than a slice of the selected columns:
+    # XLA turns a top-k whose indices are also sliced into a full sort of the row.
+    is_top = (jnp.arange(cut.count) == top_part)[..., None] & (jnp.arange(columns.shape[-1]) == 0)
+    top_column = jnp.sum(jnp.where(is_top, columns, 0), axis=(1, 2))[:, None]
+    direction = jnp.where(jnp.arange(n_out) == top_column, (n_out / n_in) * jnp.sign(top_value), 0)
+    direction = direction.astype(grad.dtype).reshape(grad.shape)
     if cut.slots == 0:
-      return direction.reshape(grad.shape), index, codes, scale
+      return direction, index, codes, scale
+    # The heavy hitters: U = (1 - beta) * (U / (1 - beta)) at the selected columns.
     new_codes, new_scale = _quantize((1 - decay) * selection.value.reshape(rows, -1))
     return (
-        direction.reshape(grad.shape),
+        direction,
         columns.astype(index.dtype).reshape(index.shape),
         new_codes.reshape(codes.shape),
         new_scale.reshape(scale.shape),
@@ -400,8 +397,13 @@ def scale_by_taco(
 
   def update_fn(updates, state, params=None):
     del params
-    directions, index, momentum, scale = _map_with_path(
-        update_leaf, 4, updates, state.index, state.momentum, state.scale
+    steps = jax.tree_util.tree_map_with_path(
+        update_leaf, updates, state.index, state.momentum, state.scale
+    )
+    # Unzipped along ``updates``, which may have no leaf at all (every
+    # parameter routed to the fallback).
+    directions, index, momentum, scale = (
+        jax.tree.map(lambda _, step: step[i], updates, steps) for i in range(4)
     )
     return directions, ScaleByTacoState(
         count=optax.safe_increment(state.count), index=index, momentum=momentum, scale=scale
@@ -526,8 +528,8 @@ def taco(
     ValueError: for ``k < 0``, ``segments`` not dividing ``k``, ``beta``
       outside ``[0, 1)``, labels other than ``"taco"``/``"fallback"``
       (eagerly for a pytree, at ``init`` for a function), a ``"taco"``
-      parameter without an output axis, or a ``fallback`` that is not a
-      transformation.
+      parameter without an output axis or not real floating point, or a
+      ``fallback`` that is not a transformation.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

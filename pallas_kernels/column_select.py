@@ -2,8 +2,8 @@
 
 TACO (arXiv 2610.02199) steps, in every column of a torch-layout weight, on
 the entry of largest magnitude. In Flax's ``(in, out)`` kernel layout a torch
-column is a *row*, so this op works on the rows of a ``[rows, width]``
-gradient ``g`` (or ``[*rows, width]``: TACO cuts rows into parts). Each row may carry ``t`` tracked entries (TACO's heavy
+column is a *row*, so this op works on the rows of a ``[*rows, width]``
+gradient ``g``. Each row may carry ``t`` tracked entries (TACO's heavy
 hitters): column indices ``c[r, s]``, distinct within a row, with offsets
 ``o[r, s]`` added to the gradient there:
 
@@ -12,24 +12,24 @@ hitters): column indices ``c[r, s]``, distinct within a row, with offsets
   u_{r, j} = g_{r, j} + \\sum_s [j = c_{r, s}] \\, o_{r, s}
 
 and the op returns, per row, the ``keep`` columns of largest ``|u|`` by
-decreasing ``|u|`` together with ``u`` there. With no tracked entries and
-``keep = 1`` it is the per-row argmax of ``|g|``.
+decreasing ``|u|`` together with ``u`` there: with no tracked entries and
+``keep = 1`` the per-row argmax of ``|g|``; with TACO's heavy hitters, the
+merge of the tracked entries with the row's largest gradients.
+:func:`column_select_reference` is that math in a few lines of jnp.
 
 Order and ties. Magnitudes rank as ``|float32(u)|`` in IEEE total order:
-NaNs above infinities, ``-0.0`` tied with ``0.0``. The kernel compares
-``topk.magnitude_key`` (those bits as an int32, whose integer order is that
-order; the ranking MicroAdam's block top-k uses), XLA compares the floats
-(``lax.top_k`` on int32 runs ~30x slower on CPU than on float32). Equal
-magnitudes break toward the lower column index, so every implementation
-selects the same columns in the same order.
+NaNs above infinities, ``-0.0`` tied with ``0.0``; equal magnitudes break
+toward the lower column, so every implementation selects the same columns in
+the same order. ``lax.top_k`` ranks floats this way; the kernel and the
+one-column XLA path compare ``topk.magnitude_key`` (those bits as an int32,
+whose integer order is that order).
 
-Implementations (``implementation=``):
+Implementations (``implementation=``, see ``pallas_kernels.dispatch``):
 
-* ``"xla"``: the reference. The offsets are scattered into a float32 copy of
-  ``g`` and ``lax.top_k`` (lower index first among equal keys) ranks each row;
-  for ``keep = 1`` two fused reductions over the magnitude keys (the largest,
-  then the lowest column holding it) replace it, with a single tracked
-  entry added by a compare instead of a scatter.
+* ``"xla"``: ``lax.top_k`` per row, as the reference; for ``keep = 1`` two
+  reductions over the magnitude keys instead (the largest, then the lowest
+  column holding it), with a single tracked entry added by a compare, which
+  keeps ``u`` elementwise in ``g`` (split as ``g`` under sharding).
 * ``"pallas"``: a Mosaic GPU kernel (``plgpu.kernel``). Mosaic GPU has no
   argmax, sort or top-k, but the lowest index of a row's largest key is two
   full reductions: ``m = max(key)``, then ``min`` of the column positions
@@ -37,11 +37,10 @@ Implementations (``implementation=``):
   tracked offsets with one masked select per slot, and selects ``keep``
   times, marking each chosen column as taken. Rows wider than
   ``MAX_SEGMENT_WIDTH`` are cut into equal segments (one program each, no
-  padding when the width allows it); XLA's ``lax.top_k`` then merges the
+  padding when the width allows it); ``lax.top_k`` then merges the
   ``segments * keep`` candidates of a row, a small array. Candidates sit
   segment-major, each segment's by decreasing key and rising index, so the
-  merge keeps the lower index among equal keys as well. Everything the op
-  needs is expressible in Mosaic GPU, so there is no Triton kernel.
+  merge keeps the lower index among equal keys as well.
 * ``"interpret"``: the same kernel in the Mosaic GPU interpreter (CPU).
 * ``None``: the Pallas kernel on a Hopper-or-newer GPU where it supports the
   input, XLA otherwise.
@@ -65,7 +64,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
-from pallas_kernels.topk import as_python_int, magnitude_key
+from pallas_kernels import static_args
+from pallas_kernels.topk import magnitude_key
 
 # Threads of a Mosaic GPU warpgroup: a segment is a whole multiple of them.
 _LANES = 128
@@ -80,8 +80,6 @@ _PADDING = -1
 _TAKEN = -2
 # Matches no column: stands in for "no tracked entry" inside the kernel.
 _NO_COLUMN = -1
-# The widest row reduction XLA:CPU fuses with the computation of its input.
-_FUSED_REDUCTION = 32
 
 
 class ColumnSelection(NamedTuple):
@@ -91,87 +89,42 @@ class ColumnSelection(NamedTuple):
   value: jax.Array  # shape=(*rows, keep), dtype=jnp.float32: u[r, index[r, j]].
 
 
-def _as_matrix(x: jax.Array, rows: int) -> jax.Array:
-  """``[*rows, n]`` as ``[rows, n]``."""
-  return x.reshape(rows, x.shape[-1])
+def column_select_reference(
+    grads: jax.Array,
+    tracked_index: jax.Array | None = None,
+    tracked_offset: jax.Array | None = None,
+    *,
+    keep: int = 1,
+) -> ColumnSelection:
+  """The math of :func:`column_select` in plain jnp: the ground truth of its tests.
 
-
-def _with_offsets(grads: jax.Array, tracked_index: jax.Array, tracked_offset: jax.Array) -> jax.Array:
+  ``u = g`` with the offsets added at the tracked columns; per row, the
+  ``keep`` columns of largest ``|u|``. ``lax.top_k`` ranks NaN above
+  infinity and puts the lower column first among equal magnitudes.
+  """
   u = grads.astype(jnp.float32)
-  if tracked_index.shape[-1] == 1:
-    # One compare per entry, fused into the reductions that read u: cheaper
-    # on XLA:CPU than a scatter into a materialized copy, and elementwise, so
-    # the partitioner keeps every axis of u split as the gradient's.
-    position = jnp.arange(u.shape[-1], dtype=jnp.int32)
-    return jnp.where(position == tracked_index, u + tracked_offset, u)
-  n_rows = math.prod(u.shape[:-1])
-  rows = jnp.arange(n_rows)[:, None]
-  added = _as_matrix(u, n_rows).at[rows, _as_matrix(tracked_index, n_rows)].add(
-      _as_matrix(tracked_offset, n_rows)
-  )
-  return added.reshape(u.shape)
-
-
-def _largest(u: jax.Array, keep: int) -> jax.Array:
-  """Positions of each row's ``keep`` largest ``|u|``; ``lax.top_k`` puts lower positions first among equals."""
-  # The barrier stops XLA from turning TopK into a full sort of the row when
-  # the positions have several users (as in TACO's step): 30x slower on CPU.
-  return lax.optimization_barrier(lax.top_k(jnp.abs(u), keep)[1])
-
-
-def _reduce_row(x: jax.Array, reduce: Any, combine: Any) -> jax.Array:
-  """``reduce`` over the last axis, kept as size 1, in steps XLA:CPU fuses with ``x``'s computation.
-
-  XLA:CPU fuses a reduction with the computation of its input, and
-  vectorizes it, only over at most ``_FUSED_REDUCTION`` entries: above that
-  it splits the reduction into a tree and materializes ``x`` first. So an
-  even row is first folded in halves by the elementwise ``combine``
-  (vectorized along the row) down to at most that width; a row still wider
-  reduces in chunks of the widest divisor up to that, then across chunks.
-  """
-  while x.shape[-1] % 2 == 0 and x.shape[-1] > _FUSED_REDUCTION:
-    half = x.shape[-1] // 2
-    x = combine(x[..., :half], x[..., half:])
-  *rows, width = x.shape
-  chunk = max(d for d in range(1, min(width, _FUSED_REDUCTION) + 1) if width % d == 0)
-  # The barrier keeps XLA from merging the two reductions into one wide one.
-  chunks = lax.optimization_barrier(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1))
-  return reduce(chunks, axis=-1, keepdims=True)
-
-
-def _first_largest(u: jax.Array) -> jax.Array:
-  """Position of each row's largest ``|u|``, the lowest among equals, as ``[*rows, 1]``.
-
-  Two reductions over the magnitude keys (NaN above infinity, as the kernel
-  ranks): the largest key, then the lowest position holding it. XLA:CPU runs
-  them several times faster than ``lax.top_k(.., 1)`` or ``jnp.argmax`` (a
-  variadic reduction it does not vectorize), in the steps of
-  ``_reduce_row``.
-  """
-  width = u.shape[-1]
-  keys = magnitude_key(u)
-  largest = _reduce_row(keys, jnp.max, jnp.maximum)
-  position = jnp.arange(width, dtype=jnp.int32)
-  return _reduce_row(jnp.where(keys == largest, position, width), jnp.min, jnp.minimum)
-
-
-def _values_at(grads, tracked_index, tracked_offset, index: jax.Array) -> jax.Array:
-  """``u[r, index[r, j]]`` from ``grads`` and the offsets, without reading a materialized ``u``.
-
-  Reading ``u`` itself would give it a third user besides the two
-  reductions of ``_first_largest``, and XLA would materialize it. Adding
-  -0.0 leaves every float as it is, so an index with no tracked offset gets
-  ``grads`` exactly and one with an offset ``grads + offset``, as ``u``.
-  """
-  hit = index[..., :, None] == tracked_index[..., None, :]
-  offset = jnp.sum(jnp.where(hit, tracked_offset[..., None, :], -0.0), axis=-1)
-  return jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1) + offset
+  if tracked_index is not None:
+    rows = u.reshape(-1, u.shape[-1])
+    row = jnp.arange(len(rows))[:, None]
+    offsets = tracked_offset.astype(jnp.float32).reshape(len(rows), -1)
+    u = rows.at[row, tracked_index.reshape(len(rows), -1)].add(offsets).reshape(u.shape)
+  index = lax.top_k(jnp.abs(u), keep)[1]
+  return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
 
 
 def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
-  u = _with_offsets(grads, tracked_index, tracked_offset)
-  index = _first_largest(u) if keep == 1 else _largest(u, keep)
-  return ColumnSelection(index, _values_at(grads, tracked_index, tracked_offset, index))
+  """The reference, with ``keep = 1`` taken by two reductions instead of a top-k."""
+  if keep > 1 or tracked_index.shape[-1] > 1:
+    return column_select_reference(grads, tracked_index, tracked_offset, keep=keep)
+  width = grads.shape[-1]
+  position = jnp.arange(width, dtype=jnp.int32)
+  u = grads.astype(jnp.float32)
+  if tracked_index.shape[-1] == 1:
+    u = jnp.where(position == tracked_index, u + tracked_offset, u)
+  keys = magnitude_key(u)
+  largest = jnp.max(keys, axis=-1, keepdims=True)
+  index = jnp.min(jnp.where(keys == largest, position, width), axis=-1, keepdims=True)
+  return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
 
 
 def _strided_layout(dtype: Any, segment_width: int) -> Any:
@@ -253,7 +206,7 @@ def _select_pallas(
   index = index.reshape(rows, segments * keep)
   value = value.reshape(rows, segments * keep)
   if segments > 1:
-    best = _largest(value, keep)
+    best = lax.top_k(jnp.abs(value), keep)[1]
     index = jnp.take_along_axis(index, best, axis=1)
     value = jnp.take_along_axis(value, best, axis=1)
   return ColumnSelection(index, value)
@@ -270,7 +223,7 @@ def _column_select(
   rows = grads.shape[:-1]
   n_rows = math.prod(rows)
   selection = _select_pallas(
-      *(_as_matrix(x, n_rows) for x in (grads, tracked_index, tracked_offset)),
+      *(x.reshape(n_rows, x.shape[-1]) for x in (grads, tracked_index, tracked_offset)),
       keep, segment_width, interpret=implementation == "interpret",
   )
   return ColumnSelection(*(leaf.reshape(*rows, keep) for leaf in selection))
@@ -322,8 +275,8 @@ def column_select(
     tracked_index: ``[*rows, t]`` integer columns in ``[0, width)``, distinct
       within a row; ``None`` (with ``tracked_offset``) for no tracked entries.
     tracked_offset: ``[*rows, t]`` offsets added to ``grads`` at
-      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA
-      recomputes ``u`` in each of the two reductions: if the offset is an
+      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA may
+      recompute ``u`` in each of the two reductions: if the offset is an
       inexact product computed in the same jit, XLA may fuse it into the add
       as an FMA in one reduction and not the other, and a row's largest
       would then match no entry. Pass offsets whose product is exact (TACO
@@ -390,16 +343,12 @@ def column_select(
     )
   if not jnp.issubdtype(jnp.result_type(tracked_index), jnp.integer):
     raise ValueError(f"tracked_index must be integer; got {jnp.result_type(tracked_index)}.")
-  keep = as_python_int(keep, "keep")
-  if not 1 <= keep <= width:
-    raise ValueError(f"keep must be in [1, width={width}]; got {keep}.")
+  keep = static_args.check_int("keep", keep, 1, width, hint=" (at most the row width)")
   if segment_width is not None:
-    segment_width = as_python_int(segment_width, "segment_width")
-    if segment_width % _LANES or segment_width < keep:
-      raise ValueError(
-          f"segment_width must be a multiple of {_LANES} and at least keep={keep};"
-          f" got {segment_width}."
-      )
+    hint = f" (a multiple of {_LANES}, at least keep)"
+    segment_width = static_args.check_int("segment_width", segment_width, keep, hint=hint)
+    if segment_width % _LANES:
+      raise ValueError(f"segment_width must be a multiple of {_LANES}; got {segment_width}.")
 
   resolved = dispatch.resolve("column_select", implementation)
   if resolved != "xla":

@@ -8,7 +8,6 @@ Generic optimizer properties (jit, dtypes, inject_hyperparams, ...) live in
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import chex
@@ -21,18 +20,15 @@ import pytest
 import optax_memopt
 from optax_memopt import state_nbytes
 
-GOLDEN_ROOT = Path(
-    os.environ.get(
-        "OPTAX_MEMOPT_GOLDEN", Path(__file__).resolve().parents[2] / "shared" / "golden"
-    )
-)
-GOLDEN = GOLDEN_ROOT / "adam_mini"
+# The reference's trajectories (adam-mini 1.1.1), kept in the repository; the
+# README beside them says how they were made.
+GOLDEN = Path(__file__).resolve().parent / "data" / "adam_mini"
 
 
 def load_golden(name):
   path = GOLDEN / f"{name}.npz"
   if not path.exists():
-    pytest.skip(f"golden data {path} is absent (set OPTAX_MEMOPT_GOLDEN to its folder)")
+    pytest.fail(f"golden data {path} is missing: it is part of the repository (tests/data/adam_mini)")
   data = np.load(path)
   return data, json.loads(str(data["meta"]))
 
@@ -280,17 +276,58 @@ def test_llama2_7b_state_bytes_halve_adamw():
 
 
 def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases():
-  params = {"dense": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full(3, 2.0)},
-            "ln_f": {"scale": jnp.full(3, 2.0)}}
-  zero_grads = jax.tree.map(jnp.zeros_like, params)
-  optimizer = optax_memopt.adam_mini(0.5, weight_decay=0.1)
-  updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
-  # Zero gradients: only the decay -lr * wd * p moves, and only the kernel.
-  chex.assert_trees_all_close(
-      updates,
-      {"dense": {"kernel": jnp.full((2, 3), -0.1), "bias": jnp.zeros(3)},
-       "ln_f": {"scale": jnp.zeros(3)}},
-  )
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  lr, wd, b1, b2, eps = 0.1, 0.5, 0.9, 0.999, 1e-8
+  # (path, shape, block axes of the Flax rules, decayed by the reference's mask)
+  leaves = {
+      ("dense", "kernel"): ((4, 3), (0,), True),  # per output neuron
+      ("dense", "bias"): ((3,), (), False),  # per element
+      ("ln_f", "scale"): ((3,), (0,), False),  # whole tensor
+  }
+  params = {keys: rng.normal(size=shape) for keys, (shape, _, _) in leaves.items()}
+  grads = [{keys: rng.normal(size=shape) for keys, (shape, _, _) in leaves.items()} for _ in range(3)]
+  optimizer = optax_memopt.adam_mini(lr, b1, b2, eps, weight_decay=wd)
+  ours = nest({keys: jnp.asarray(p, jnp.float32) for keys, p in params.items()})
+  state = optimizer.init(ours)
+  for step in range(1, len(grads) + 1):
+    updates, state = optimizer.update(
+        nest({keys: jnp.asarray(g, jnp.float32) for keys, g in grads[step - 1].items()}), state, ours
+    )
+    ours = optax.apply_updates(ours, updates)
+  for keys, (shape, block_axes, decayed) in leaves.items():
+    # p_t = p_{t-1} - lr * (u_t + wd * p_{t-1}): the decay reads p_{t-1}.
+    old, new = params[keys], params[keys]
+    for step in range(1, len(grads) + 1):
+      history = [(g[keys], shape) for g in grads[:step]]
+      direction = numpy_adam_mini(history, block_axes, b1, b2, eps)
+      old = old - lr * (direction + wd * decayed * old)
+      new = (new - lr * direction) * (1 - lr * wd * decayed)  # decaying the stepped parameter
+    message = f"{'/'.join(keys)} (seed {seed})"
+    np.testing.assert_allclose(_get(ours, keys), old, rtol=1e-5, atol=1e-6, err_msg=message)
+    if decayed:  # The other order is far outside the tolerance.
+      assert np.max(np.abs(new - old)) > 1e-3, message
+
+
+@pytest.mark.parametrize(
+    "kwargs, static_args, traced",
+    [
+        (dict(n_heads=4), (), "n_heads"),
+        (dict(n_heads=4, n_kv_heads=2), ("n_heads",), "n_kv_heads"),
+        # A type: inject_hyperparams takes it for a schedule and calls it.
+        (dict(n_heads=4, mu_dtype=jnp.bfloat16), ("n_heads",), "mu_dtype"),
+    ],
+)
+def test_traced_shape_fixing_hyperparameter_is_named_with_static_args(kwargs, static_args, traced):
+  params = {"attention": {"query": {"kernel": jnp.zeros((8, 8))}}}
+  injected = optax.inject_hyperparams(optax_memopt.adam_mini, static_args=static_args)
+  with pytest.raises(ValueError, match=rf"{traced}.*static_args=\('{traced}',\)"):
+    injected(learning_rate=1e-3, **kwargs).init(params)
+  static = optax.inject_hyperparams(optax_memopt.adam_mini, static_args=tuple(kwargs))
+  state = static(learning_rate=1e-3, **kwargs).init(params).inner_state[0]
+  plain = optax_memopt.scale_by_adam_mini(**kwargs).init(params)
+  assert jax.tree.map(jnp.shape, state.nu) == jax.tree.map(jnp.shape, plain.nu)
+  assert jax.tree.map(lambda m: m.dtype, state.mu) == jax.tree.map(lambda m: m.dtype, plain.mu)
 
 
 @pytest.mark.parametrize(
@@ -310,6 +347,22 @@ def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases():
 def test_bad_arguments_raise_at_build_time(kwargs, message):
   with pytest.raises(ValueError, match=message):
     optax_memopt.scale_by_adam_mini(**kwargs)
+
+
+def test_steps_under_optax_partition_when_no_parameter_is_routed_to_it():
+  params = {"dense": {"kernel": jnp.ones((4, 3))}, "layers": (jnp.ones(3), None)}
+  grads = jax.tree.map(lambda p: 2 * p, params)
+  labels = {"dense": {"kernel": "adam"}, "layers": ("adam", None)}
+  tx = optax.partition({"adam_mini": optax_memopt.scale_by_adam_mini(), "adam": optax.scale_by_adam()}, labels)
+  updates, _ = tx.update(grads, tx.init(params))
+  adam = optax.scale_by_adam()
+  chex.assert_trees_all_close(updates, adam.update(grads, adam.init(params))[0])
+
+
+def test_integer_parameter_is_refused_at_init_naming_it():
+  params = {"dense": {"kernel": jnp.zeros((4, 3))}, "step": {"table": jnp.zeros((2, 3), jnp.int32)}}
+  with pytest.raises(ValueError, match=r"adam_mini supports floating-point and complex .* 'step/table' is int32"):
+    optax_memopt.adam_mini(1e-3).init(params)
 
 
 def test_trains_the_small_transformer_about_as_well_as_adamw():

@@ -120,7 +120,7 @@ def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype):
   # The alias steps against the direction, scaled by the learning rate.
   alias = optax_memopt.taco(0.5, k=0, labels=jax.tree.map(lambda _: "taco", grads), matrix_axes=axes_by_name)
   alias_updates, _ = alias.update(jax_grads, alias.init(jax_grads), jax_grads)
-  chex.assert_trees_all_close(alias_updates, jax.tree.map(lambda u: -0.5 * u, updates))
+  chex.assert_trees_all_close(alias_updates, jax.tree.map(lambda u: -0.5 * u, updates), custom_message=f"seed={seed}")
 
 
 @pytest.mark.parametrize("segments", [1, None])  # the row's top k; k parts of one (the default)
@@ -202,6 +202,27 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
 
+def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float32, implementation=None):
+  """Four steps of ternary gradients with beta = 1/2 (exact in e4m3) against ``numpy_heavy_hitters``."""
+  beta, steps = 0.5, 4
+  grads = ternary_grads(seed, steps, shape)
+  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
+  assert_exact_in_float8(want_momenta, seed)
+  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments, implementation=implementation)
+  state = tx.init({"w": jnp.zeros(shape, dtype)})
+  update = jax.jit(tx.update)
+  for step, (g, want) in enumerate(zip(grads, want_directions)):
+    updates, state = update({"w": jnp.asarray(g, dtype)}, state)
+    np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
+  rows = shape[0]
+  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
+  np.testing.assert_array_equal(
+      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
+      want_momenta,
+      err_msg=f"seed={seed}",
+  )
+
+
 @pytest.mark.parametrize(
     "k, segments",
     [
@@ -212,23 +233,7 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
     ],
 )
 def test_partial_tracking_follows_the_merge_rule(k, segments):
-  seed = fresh_seed()
-  beta, steps, shape = 0.5, 4, (6, 10)
-  grads = ternary_grads(seed, steps, shape)
-  want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
-  assert_exact_in_float8(want_momenta, seed)
-  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments)
-  state = tx.init({"w": jnp.zeros(shape)})
-  for step, (g, want) in enumerate(zip(grads, want_directions)):
-    updates, state = tx.update({"w": jnp.asarray(g)}, state)
-    np.testing.assert_array_equal(updates["w"], want, err_msg=f"step {step}, seed={seed}")
-  rows = shape[0]
-  np.testing.assert_array_equal(state.index["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
-  np.testing.assert_array_equal(
-      dequantized(state.momentum["w"], state.scale["w"][..., None]).reshape(rows, -1),
-      want_momenta,
-      err_msg=f"seed={seed}",
-  )
+  assert_steps_follow_the_merge_rule(fresh_seed(), (6, 10), k, segments)
 
 
 def test_stacked_layers_are_independent_matrices():
@@ -247,22 +252,38 @@ def test_stacked_layers_are_independent_matrices():
       np.testing.assert_array_equal(stacked_updates["w"][layer], updates["w"], err_msg=f"seed={seed}")
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("k, segments", [(4, 1), (4, 2), (3, 3)])
-def test_kernel_path_steps_like_the_reference(k, segments):
-  seed = fresh_seed()
-  shape = (5, 300)  # rows of three lanes, the last one padded; segments of 150 or 100
-  grads = np.random.default_rng(seed).standard_normal((2, *shape))
-  runs = {}
-  for implementation in ("xla", "interpret"):
-    tx = optax_memopt.scale_by_taco(k=k, segments=segments, implementation=implementation)
-    state = tx.init({"w": jnp.zeros(shape, jnp.bfloat16)})
-    update = jax.jit(tx.update)
-    steps = []
-    for g in grads:
-      updates, state = update({"w": jnp.asarray(g, jnp.bfloat16)}, state)
-      steps.append(updates)
-    runs[implementation] = (steps, state)
-  chex.assert_trees_all_equal(runs["interpret"], runs["xla"], custom_message=f"seed={seed}")
+def test_both_selection_paths_step_like_the_numpy_reference(k, segments, implementation):
+  # Rows of three kernel lanes, the last one padded; parts of 300, 150 or 100.
+  assert_steps_follow_the_merge_rule(fresh_seed(), (5, 300), k, segments, jnp.bfloat16, implementation)
+
+
+@pytest.mark.parametrize(
+    "kwargs, static_args, traced",
+    [
+        (dict(k=4), (), "k"),
+        (dict(k=4, segments=2), ("k",), "segments"),
+    ],
+)
+def test_traced_shape_fixing_hyperparameter_is_named_with_static_args(kwargs, static_args, traced):
+  params = {"w": jnp.zeros((6, 8))}
+  injected = optax.inject_hyperparams(optax_memopt.taco, static_args=static_args)
+  with pytest.raises(ValueError, match=rf"{traced}.*static_args=\('{traced}',\)"):
+    injected(learning_rate=1e-2, **kwargs).init(params)
+  static = optax.inject_hyperparams(optax_memopt.taco, static_args=tuple(kwargs))
+  state = static(learning_rate=1e-2, **kwargs).init(params)
+  plain = optax_memopt.taco(1e-2, **kwargs).init(params)
+  assert jax.tree.map(jnp.shape, state.inner_state) == jax.tree.map(jnp.shape, plain)
+
+
+def test_no_parameter_routed_to_taco_leaves_its_state_empty():
+  params = {"bias": jnp.ones(4), "norm": jnp.ones(4)}
+  tx = optax_memopt.taco(1e-2, k=2)
+  state = tx.init(params)
+  updates, _ = tx.update(params, state, params)
+  chex.assert_trees_all_close(updates, optax.adam(1e-2).update(params, optax.adam(1e-2).init(params))[0])
 
 
 def test_state_is_a_few_hundredths_of_a_byte_per_parameter():
@@ -398,3 +419,23 @@ def test_trains_a_small_transformer():
   # the embedding and norms), so the bound needs TACO's steps.
   assert np.mean(result.train_losses[-10:]) < 3.8
   assert result.validation_loss < 3.9
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.int32])
+def test_complex_or_integer_matrix_is_refused_at_init_naming_it(dtype):
+  params = {"dense": {"kernel": jnp.ones((8, 4), dtype)}, "bias": jnp.ones(4)}
+  name = jnp.dtype(dtype).name
+  with pytest.raises(ValueError, match=rf"taco supports real floating-point .* 'dense/kernel' is {name}"):
+    optax_memopt.taco(1e-2).init(params)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("hopper", [True, False])
+def test_default_implementation_selects_with_the_kernel_on_hopper_only(monkeypatch, hopper):
+  from pallas_kernels import _backend, dispatch
+
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: hopper)
+  tx = optax_memopt.scale_by_taco(k=4)
+  grads = {"w": jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)}
+  text = _backend.lower_for_cuda(tx.update, grads, jax.eval_shape(tx.init, grads))
+  assert (_backend.MOSAIC_GPU_CALL in text) == hopper
