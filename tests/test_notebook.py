@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import pathlib
-
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+from tests import host_devices
+
+NOTEBOOK = host_devices.REPOSITORY / "notebooks" / "quickstart.ipynb"
 
 
 def test_quickstart_notebook_executes(monkeypatch):
   monkeypatch.setenv("QUICKSTART_STEPS", "15")
+  # The kernel starts in notebooks/: it imports this checkout, not an installed copy.
+  monkeypatch.setenv("PYTHONPATH", host_devices.environment(1)["PYTHONPATH"])
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   assert not any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
       "the notebook is stored without outputs"
