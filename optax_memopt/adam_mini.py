@@ -204,7 +204,7 @@ def scale_by_adam_mini(
     steps = jax.tree.map(update_leaf, updates, state.mu, state.nu)
     # Unzipped along ``updates``, which may have no leaf at all (every
     # parameter routed elsewhere by optax.partition).
-    directions, mu, nu = (jax.tree.map(lambda _, step: step[i], updates, steps) for i in range(3))
+    directions, mu, nu = leaves.unzip(updates, steps, 3)
     directions = optax.tree.cast_like(directions, updates)
     mu = optax.tree.cast_like(mu, state.mu)
     return directions, ScaleByAdamMiniState(count=count, mu=mu, nu=nu)

@@ -54,3 +54,19 @@ def check_param_dtypes(params: Any, optimizer: str, supported=is_real_floating,
           f"{optimizer} supports {supported_text}; parameter {path_name(path)!r} is {jnp.dtype(dtype).name}."
           " Route it to another optimizer with optax.partition."
       )
+
+
+def unzip(like: Any, per_leaf: Any, n: int) -> tuple[Any, ...]:
+  """``n`` trees shaped like ``like`` from ``per_leaf``, which holds an ``n``-tuple at each of its leaves.
+
+  The inverse of mapping a function that returns several results over a
+  tree (``per_leaf = jax.tree.map(step, like, ...)``). Unlike
+  ``jax.tree.transpose`` it takes a tree without leaves (every parameter
+  masked) and results that are ``None``.
+
+  Examples:
+    >>> from optax_memopt.leaves import unzip
+    >>> unzip({"a": 1, "b": 2}, {"a": (1, -1), "b": (2, -2)}, 2)
+    ({'a': 1, 'b': 2}, {'a': -1, 'b': -2})
+  """
+  return tuple(jax.tree.map(lambda _, results: results[i], like, per_leaf) for i in range(n))

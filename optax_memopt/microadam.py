@@ -16,7 +16,7 @@ parameter, against 8 for fp32 Adam.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +74,6 @@ def _check_hyperparameters(
     if reason is not None:
       raise ValueError(reason)
   return window, density, block_size, bucket_size
-
-
-def _unzip(like: Any, per_leaf: Any, n: int) -> tuple[Any, ...]:
-  """``n`` trees like ``like`` from a tree of ``n``-tuples at its leaves."""
-  if not jax.tree.leaves(like):  # jax.tree.transpose needs a leaf; every leaf masked.
-    return (like,) * n
-  return jax.tree.transpose(jax.tree.structure(like), jax.tree.structure((0,) * n), per_leaf)
 
 
 def scale_by_microadam(
@@ -269,7 +262,7 @@ def scale_by_microadam(
       return (direction, indices, values, *error)
 
     per_leaf = jax.tree.map(update_leaf, updates, state.indices, state.values, *state.error)
-    directions, indices, values, *error = _unzip(updates, per_leaf, 6)
+    directions, indices, values, *error = leaves.unzip(updates, per_leaf, 6)
     return directions, ScaleByMicroAdamState(
         count, indices, values, quantize.QuantizedArray(*error)
     )

@@ -400,11 +400,7 @@ def scale_by_taco(
     steps = jax.tree_util.tree_map_with_path(
         update_leaf, updates, state.index, state.momentum, state.scale
     )
-    # Unzipped along ``updates``, which may have no leaf at all (every
-    # parameter routed to the fallback).
-    directions, index, momentum, scale = (
-        jax.tree.map(lambda _, step: step[i], updates, steps) for i in range(4)
-    )
+    directions, index, momentum, scale = leaves.unzip(updates, steps, 4)
     return directions, ScaleByTacoState(
         count=optax.safe_increment(state.count), index=index, momentum=momentum, scale=scale
     )

@@ -81,8 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_memopt import hyperparameters, sharding
-from optax_memopt.leaves import check_param_dtypes
+from optax_memopt import hyperparameters, leaves, sharding
 from optax_memopt.ternary_adam_state import (
     FactoredSecondMoment,
     ScaleByTernaryAdamState,
@@ -254,7 +253,7 @@ def scale_by_ternary_adam(
   dispatch.check(implementation)  # Validates it eagerly.
 
   def init_fn(params):
-    check_param_dtypes(params, "ternary_adam")
+    leaves.check_param_dtypes(params, "ternary_adam")
     return init_state(
         params,
         jax.random.key_data(initial_key),
@@ -306,9 +305,7 @@ def scale_by_ternary_adam(
     )
     # Each field of the results, as a tree like the gradients (None where
     # a field does not apply to a parameter).
-    directions, packed, scales, mu, row, col, nu = (
-        treedef.unflatten(field) for field in zip(*treedef.flatten_up_to(per_leaf))
-    )
+    directions, packed, scales, mu, row, col, nu = leaves.unzip(updates, per_leaf, 7)
     new_state = ScaleByTernaryAdamState(
         count=count,
         key=jax.random.key_data(next_key),

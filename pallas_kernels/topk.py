@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -70,16 +69,6 @@ KERNEL_ROW = 256
 MAX_BLOCK_SIZE = 2**31
 # Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
 _KEY_BITS = 31
-
-
-def as_python_int(value, name: str) -> int:
-  """``value`` as a Python int (bools excluded), or a ``ValueError`` naming ``name``."""
-  if isinstance(value, bool):
-    raise ValueError(f"{name} must be an int; got {value!r}.")
-  try:
-    return operator.index(value)
-  except TypeError:
-    raise ValueError(f"{name} must be an int; got {value!r}.") from None
 
 
 def _check_block_params(density, block_size) -> tuple[float, int]:

@@ -33,10 +33,6 @@ def load_golden(name):
   return data, json.loads(str(data["meta"]))
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 def torch_to_flax(name, array):
   """Golden torch names and (out, in) weights as a Flax-layout nested dict entry."""
   parts = name.split(".")
@@ -158,8 +154,7 @@ FLAX_CASES = [
 ]
 
 
-def test_flax_rules_match_numpy_rederivation_over_steps():
-  seed = fresh_seed()
+def test_flax_rules_match_numpy_rederivation_over_steps(seed):
   rng = np.random.default_rng(seed)
   b1, b2, eps = 0.8, 0.9, 1e-6
   params = nest({keys: jnp.zeros(shape) for keys, shape, _, _ in FLAX_CASES})
@@ -275,8 +270,7 @@ def test_llama2_7b_state_bytes_halve_adamw():
   assert round(ours / 1e9, 2) == 26.96
 
 
-def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases():
-  seed = fresh_seed()
+def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases(seed):
   rng = np.random.default_rng(seed)
   lr, wd, b1, b2, eps = 0.1, 0.5, 0.9, 0.999, 1e-8
   # (path, shape, block axes of the Flax rules, decayed by the reference's mask)

@@ -20,10 +20,6 @@ from pallas_kernels.column_select import (
 pytestmark = pytest.mark.kernels
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 def draw_case(seed, rows, width, tracked, dtype=np.float32):
   """Small integers (many ties) and distinct tracked columns per row."""
   rng = np.random.default_rng(seed)
@@ -64,8 +60,7 @@ def selection_cases():
 
 
 @pytest.mark.parametrize("rows, width, tracked, keep", selection_cases())
-def test_reference_ranks_like_numpy_with_ties_toward_lower_columns(rows, width, tracked, keep):
-  seed = fresh_seed()
+def test_reference_ranks_like_numpy_with_ties_toward_lower_columns(rows, width, tracked, keep, seed):
   grads, index, offset = draw_case(seed, rows, width, tracked)
   selection = column_select_reference(
       jnp.asarray(grads), jnp.asarray(index), jnp.asarray(offset), keep=keep
@@ -76,8 +71,7 @@ def test_reference_ranks_like_numpy_with_ties_toward_lower_columns(rows, width, 
 
 
 @pytest.mark.parametrize("rows, width, tracked, keep", selection_cases())
-def test_xla_path_matches_the_reference(rows, width, tracked, keep):
-  seed = fresh_seed()
+def test_xla_path_matches_the_reference(rows, width, tracked, keep, seed):
   grads, index, offset = draw_case(seed, rows, width, tracked)
   args = (jnp.asarray(grads), jnp.asarray(index), jnp.asarray(offset))
   want = column_select_reference(*args, keep=keep)
@@ -98,9 +92,9 @@ def test_xla_path_matches_the_reference(rows, width, tracked, keep):
     ],
 )
 def test_kernel_matches_the_reference_in_the_interpreter(
-    rows, width, tracked, keep, segment_width, dtype
+    rows, width, tracked, keep, segment_width, dtype,
+    seed,
 ):
-  seed = fresh_seed()
   grads, index, offset = draw_case(seed, rows, width, tracked, dtype)
   args = (jnp.asarray(grads), jnp.asarray(index), jnp.asarray(offset))
   # The kernel takes this case (no fallback to XLA): the comparison is kernel against reference.
@@ -160,8 +154,7 @@ def test_a_short_last_segment_never_offers_a_column_twice():
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("tracked, keep", [(0, 1), (1, 1), (3, 2)])
-def test_leading_row_axes_select_as_the_flattened_rows(implementation, tracked, keep):
-  seed = fresh_seed()
+def test_leading_row_axes_select_as_the_flattened_rows(implementation, tracked, keep, seed):
   grads, index, offset = draw_case(seed, 6, 40, tracked)
   flat_index, flat_value = numpy_selection(grads, index, offset, keep)
   batched = column_select(

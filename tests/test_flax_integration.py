@@ -33,7 +33,7 @@ from flax.training import train_state
 
 from tests.optimizer_cases import CASES
 from tests.test_checkpoint import bitwise
-from tests.test_transformation_properties import build, fresh_seed
+from tests.test_transformation_properties import build
 
 NAMES = sorted(CASES)
 VOCAB, DIM, HIDDEN, CLASSES = 50, 24, 40, 8
@@ -108,14 +108,13 @@ def assert_loss_falls(losses, context):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_nnx_optimizer_trains_as_plain_optax_does(name):
+def test_nnx_optimizer_trains_as_plain_optax_does(name, seed):
   """``nnx.Optimizer`` under ``nnx.jit``: the loss falls, as in a plain optax loop.
 
   The same steps written with pure dicts and ``tx.update`` (no NNX state
   handling) give the same parameters and losses: NNX neither loses nor
   rebuilds any part of the state.
   """
-  seed = fresh_seed()
   data = make_data(seed)
   graphdef, initial = nnx.split(Classifier(nnx.Rngs(seed)), nnx.Param)
   tx = transformation(name)
@@ -145,14 +144,13 @@ def test_nnx_optimizer_trains_as_plain_optax_does(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_split_and_merge_round_trip_continues_identically(name):
+def test_split_and_merge_round_trip_continues_identically(name, seed):
   """``nnx.split``/``nnx.merge`` of model and optimizer keeps every state leaf and its place.
 
   Training then continues as an uninterrupted run does, both with
   ``nnx.jit`` and in the functional form (merge inside ``jax.jit``, split on
   the way out).
   """
-  seed = fresh_seed()
   data = make_data(seed)
   tx = transformation(name)
   model, optimizer = model_and_optimizer(tx, seed)
@@ -186,14 +184,13 @@ def test_split_and_merge_round_trip_continues_identically(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_orbax_checkpoint_of_nnx_optimizer_resumes_bitwise(name, tmp_path):
+def test_orbax_checkpoint_of_nnx_optimizer_resumes_bitwise(name, tmp_path, seed):
   """Save model and ``nnx.Optimizer`` midway, restore into fresh ones, resume.
 
   The restore target is the abstract state of a newly built model and
   optimizer (``nnx.eval_shape``), as a new process has; the resumed run
   equals the uninterrupted one bitwise, step count included.
   """
-  seed = fresh_seed()
   data = make_data(seed)
   tx = transformation(name)
   model, optimizer = model_and_optimizer(tx, seed)
@@ -214,9 +211,8 @@ def test_orbax_checkpoint_of_nnx_optimizer_resumes_bitwise(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_linen_train_state_trains(name):
+def test_linen_train_state_trains(name, seed):
   """``TrainState.create(apply_fn, params, tx)`` and ``apply_gradients`` under ``jax.jit``."""
-  seed = fresh_seed()
   tokens, labels = make_data(seed)
   network = LinenClassifier()
   state = train_state.TrainState.create(

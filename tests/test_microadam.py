@@ -20,10 +20,6 @@ BF16 = ml_dtypes.bfloat16
 LEVELS = 15  # 4-bit codes.
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 # -- the spec in numpy ----------------------------------------------------------
 
 
@@ -33,7 +29,6 @@ def documented_keep(length: int, density: float) -> int:
   The product is rounded to 9 decimals first, as documented (float noise).
   """
   return min(length, max(1, math.ceil(round(length * density, 9)))) if length else 0
-
 
 
 def bf16_outward(x: np.ndarray, *, upward: bool) -> np.ndarray:
@@ -147,9 +142,8 @@ def random_tree(rng, dtype):
         (256, 64, 0.1, jnp.bfloat16),
     ],
 )
-def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, density, dtype):
+def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, density, dtype, seed):
   window, steps, b1, b2, eps = 3, 7, 0.9, 0.999, 1e-8
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
       b1, b2, eps, window=window, density=density, block_size=block_size,
@@ -191,11 +185,10 @@ def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, dens
 
 
 @pytest.mark.parametrize("kind", ["integers", "sparse"])
-def test_ties_at_the_threshold_zero_the_selected_entries_only(kind):
+def test_ties_at_the_threshold_zero_the_selected_entries_only(kind, seed):
   # Many equal magnitudes at each block's k-th largest: the error must drop
   # exactly the ties top-k took (the lower indices), as the reference does.
   block_size, bucket_size, density = 256, 64, 0.1
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
       window=2, density=density, block_size=block_size, bucket_size=bucket_size, implementation="xla"
@@ -218,9 +211,8 @@ def test_ties_at_the_threshold_zero_the_selected_entries_only(kind):
 
 
 @pytest.mark.parametrize("window", [5, 8])
-def test_full_density_and_full_window_is_adamw(window):
+def test_full_density_and_full_window_is_adamw(window, seed):
   steps, learning_rate, b1, b2, eps, weight_decay = 5, 1e-2, 0.9, 0.999, 1e-8, 1e-3
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   params = {**random_tree(rng, jnp.float32), "scalar": jnp.asarray(0.5, jnp.float32)}
   ours = optax_memopt.microadam(
@@ -250,9 +242,8 @@ def test_full_density_and_full_window_is_adamw(window):
     params = optax.apply_updates(params, adamw_updates)
 
 
-def test_error_feedback_respects_the_quantizer_bound():
+def test_error_feedback_respects_the_quantizer_bound(seed):
   block_size, bucket_size, density, window = 256, 64, 0.05, 4
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
       window=window, density=density, block_size=block_size, bucket_size=bucket_size,
@@ -366,13 +357,12 @@ def test_traced_shape_fixing_hyperparameters_say_to_list_them_in_static_args(nam
     opt.init({"w": jnp.zeros((10,))})
 
 
-def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam():
+def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam(seed):
   settings = dict(window=2, density=0.1, block_size=256, bucket_size=64)
   injected = optax.inject_hyperparams(optax_memopt.microadam, static_args=SHAPE_FIXING)(
       learning_rate=1e-2, **settings
   )
   plain = optax_memopt.microadam(1e-2, **settings)
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   params = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32)}
   grads = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32)}
@@ -407,8 +397,7 @@ def test_rejects_bad_hyperparameters_eagerly(kwargs, name):
 
 
 @pytest.mark.kernels
-def test_pallas_kernels_in_interpreter_match_xla():
-  seed = fresh_seed()
+def test_pallas_kernels_in_interpreter_match_xla(seed):
   rng = np.random.default_rng(seed)
   settings = dict(window=2, density=0.05, block_size=256, bucket_size=256)
   params = {"w": jnp.zeros((600,))}
@@ -423,10 +412,9 @@ def test_pallas_kernels_in_interpreter_match_xla():
   chex.assert_trees_all_close(runs["interpret"], runs["xla"], rtol=1e-6, custom_message=f"seed={seed}")
 
 
-def test_trains_a_small_transformer_nearly_as_well_as_adamw():
+def test_trains_a_small_transformer_nearly_as_well_as_adamw(seed):
   from optax_memopt.training import loop, model
 
-  seed = fresh_seed()
   settings = dict(steps=200, batch_size=8, seq_len=64, seed=seed)
   config = model.TransformerConfig()
   adamw = loop.train(config, optax.adamw(3e-3, weight_decay=0.01), **settings)
@@ -462,7 +450,7 @@ def test_pallas_update_lowers_every_kernel_for_cuda():
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 4 * len(params)
 
 
-def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax():
+def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax(seed):
   # nnx.Optimizer splits and merges the state under nnx.jit: the error
   # feedback must come back as the three parameter-shaped trees it went in as.
   from flax import nnx
@@ -496,7 +484,6 @@ def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax():
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  seed = fresh_seed()
   rng = np.random.default_rng(seed)
   for _ in range(3):
     x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)

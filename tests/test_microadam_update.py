@@ -21,10 +21,6 @@ from pallas_kernels import microadam_update as mu
 pytestmark = pytest.mark.kernels
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 def documented_keep(length: int, density: float) -> int:
   """The top-k's documented rule: ``min(n, max(1, ceil(n * density)))`` of a block of ``n``."""
   if length == 0:
@@ -89,8 +85,7 @@ def case_inputs(seed, size, block_size, density, window):
 
 
 @pytest.mark.parametrize("size, block_size, density, window, count", CASES)
-def test_reference_matches_the_spec_formulas(size, block_size, density, window, count):
-  seed = fresh_seed()
+def test_reference_matches_the_spec_formulas(size, block_size, density, window, count, seed):
   indices, values, lengths, keeps = case_inputs(seed, size, block_size, density, window)
   got = mu.microadam_update_reference(
       jnp.asarray(indices), jnp.asarray(values), count, B1, B2, EPS,
@@ -107,8 +102,7 @@ def test_reference_matches_the_spec_formulas(size, block_size, density, window, 
     "implementation", ["xla", pytest.param("interpret", id="kernel_in_interpreter")]
 )
 @pytest.mark.parametrize("size, block_size, density, window, count", CASES)
-def test_implementation_matches_reference(size, block_size, density, window, count, implementation):
-  seed = fresh_seed()
+def test_implementation_matches_reference(size, block_size, density, window, count, implementation, seed):
   indices, values, _, _ = case_inputs(seed, size, block_size, density, window)
   args = (jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
   kwargs = dict(size=size, density=density, block_size=block_size)

@@ -15,10 +15,6 @@ from optax_memopt import MatrixAxes
 from optax_memopt.training import loop, model
 
 
-def fresh_seed():
-  return int(np.random.SeedSequence().entropy % (2**31))
-
-
 def numpy_direction(u, batch_dims=0, input_dims=1):
   """TACO's direction for ``u`` read as matrices ``(*batch, n_in, n_out)``: per row, the sign of the first largest |u|."""
   shape = u.shape
@@ -103,8 +99,7 @@ def axes_by_name(path, param):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype):
-  seed = fresh_seed()
+def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype, seed):
   rng = np.random.default_rng(seed)
   # Small integers: many ties, which must go to the lower output index.
   grads = {name: rng.integers(-3, 4, shape).astype(np.float32) for name, shape in SHAPES.items()}
@@ -124,8 +119,7 @@ def test_vanilla_direction_is_the_signed_argmax_per_input_feature(dtype):
 
 
 @pytest.mark.parametrize("segments", [1, None])  # the row's top k; k parts of one (the default)
-def test_heavy_hitter_state_stays_valid(segments):
-  seed = fresh_seed()
+def test_heavy_hitter_state_stays_valid(segments, seed):
   rng = np.random.default_rng(seed)
   shapes = {"wide": (24, 40), "narrow": (8, 3), "stacked": (2, 16, 50)}
   k = 5
@@ -179,8 +173,7 @@ def test_heavy_hitter_state_stays_valid(segments):
 
 @pytest.mark.parametrize("segments", [1, None])
 @pytest.mark.parametrize("shape", [(6, 5), (4, 8)])
-def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segments):
-  seed = fresh_seed()
+def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segments, seed):
   beta, steps = 0.5, 4
   grads = ternary_grads(seed, steps, shape)
   # k >= n_out: every entry tracked, in one part or in parts of one column.
@@ -232,12 +225,11 @@ def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float
         (8, 4),  # segments of 3, 3, 3 and 1 columns: the last one caps them at 1 entry
     ],
 )
-def test_partial_tracking_follows_the_merge_rule(k, segments):
-  assert_steps_follow_the_merge_rule(fresh_seed(), (6, 10), k, segments)
+def test_partial_tracking_follows_the_merge_rule(k, segments, seed):
+  assert_steps_follow_the_merge_rule(seed, (6, 10), k, segments)
 
 
-def test_stacked_layers_are_independent_matrices():
-  seed = fresh_seed()
+def test_stacked_layers_are_independent_matrices(seed):
   rng = np.random.default_rng(seed)
   stacked = optax_memopt.scale_by_taco(k=3, matrix_axes=MatrixAxes(batch_dims=1))
   single = optax_memopt.scale_by_taco(k=3)
@@ -255,9 +247,9 @@ def test_stacked_layers_are_independent_matrices():
 @pytest.mark.kernels
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("k, segments", [(4, 1), (4, 2), (3, 3)])
-def test_both_selection_paths_step_like_the_numpy_reference(k, segments, implementation):
+def test_both_selection_paths_step_like_the_numpy_reference(k, segments, implementation, seed):
   # Rows of three kernel lanes, the last one padded; parts of 300, 150 or 100.
-  assert_steps_follow_the_merge_rule(fresh_seed(), (5, 300), k, segments, jnp.bfloat16, implementation)
+  assert_steps_follow_the_merge_rule(seed, (5, 300), k, segments, jnp.bfloat16, implementation)
 
 
 @pytest.mark.parametrize(
@@ -343,8 +335,7 @@ def run_steps(tx, params, steps=3, seed=0):
   return all_updates
 
 
-def test_fallback_trains_like_adamw_and_labels_can_be_overridden():
-  seed = fresh_seed()
+def test_fallback_trains_like_adamw_and_labels_can_be_overridden(seed):
   params = make_tree()
   lr, weight_decay = 1e-2, 0.1
   adamw = run_steps(optax.adamw(lr, weight_decay=weight_decay), params, seed=seed)

@@ -26,10 +26,6 @@ pytestmark = pytest.mark.kernels
 _LAYOUTS = {"base3": (3, 5), "2bit": (4, 4)}
 
 
-def _fresh_seed() -> int:
-  return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def _heavy_tailed(seed: int, shape, dtype=np.float32) -> np.ndarray:
   """Gaussian values with a few large outliers and a zero block, as in optimizer states."""
   rng = np.random.default_rng(seed)
@@ -80,8 +76,7 @@ _PARITY_CASES = [
 
 
 @pytest.mark.parametrize("packing_name,block_size,shape,dtype,stochastic", _PARITY_CASES)
-def test_interpret_kernels_equal_xla(packing_name, block_size, shape, dtype, stochastic):
-  seed = _fresh_seed()
+def test_interpret_kernels_equal_xla(packing_name, block_size, shape, dtype, stochastic, seed):
   x = jnp.asarray(_heavy_tailed(seed, shape), dtype)
   geometry = chunks.ChunkGeometry(block_size, _LAYOUTS[packing_name][1])
   assert chunks.grid_extent(x.size, geometry, None)[0] > 0, "the case must run the kernel"
@@ -110,8 +105,7 @@ def test_interpret_kernels_equal_xla(packing_name, block_size, shape, dtype, sto
   )
 
 
-def test_interpret_round_and_packing_equal_xla():
-  seed = _fresh_seed()
+def test_interpret_round_and_packing_equal_xla(seed):
   x = jnp.asarray(_heavy_tailed(seed, (1111,)))
   key = jax.random.key(seed)
   round_ = functools.partial(ternary.ternary_round, x, block_size=32, key=key)
@@ -135,10 +129,9 @@ def test_interpret_round_and_packing_equal_xla():
     )
 
 
-def test_interpret_kernels_with_several_chunks_per_grid_step_equal_xla():
+def test_interpret_kernels_with_several_chunks_per_grid_step_equal_xla(seed):
   # Large inputs give each grid step several chunks and leave the chunks that
   # do not fill a step to XLA; chunks_per_step=2 does both at a small size.
-  seed = _fresh_seed()
   size = 5 * 1280 + 300  # 256-element blocks, base 3: 5 chunks, 2 steps of 2.
   x = jnp.asarray(_heavy_tailed(seed, (size,)))
   settings = dict(block_size=256, layout=ternary._PACKED_LAYOUTS["base3"])
@@ -172,8 +165,7 @@ def test_interpret_kernels_with_several_chunks_per_grid_step_equal_xla():
 
 @pytest.mark.parametrize("packing_name", ternary.PACKINGS)
 @pytest.mark.parametrize("block_size", [32, 64, 128, 640])
-def test_nearest_rounding_matches_numpy_and_packs_in_planar_order(packing_name, block_size):
-  seed = _fresh_seed()
+def test_nearest_rounding_matches_numpy_and_packs_in_planar_order(packing_name, block_size, seed):
   x = _heavy_tailed(seed, (7, 301))
   # An exact tie |x| = scale / 2, which rounds to 0 (half to even); elements
   # 64 and 65 share a block at every block size here.
@@ -195,7 +187,7 @@ def test_nearest_rounding_matches_numpy_and_packs_in_planar_order(packing_name, 
   assert np.all(error <= per_element / 2), f"seed={seed}"
 
 
-def test_stochastic_rounding_is_unbiased():
+def test_stochastic_rounding_is_unbiased(seed):
   """The mean of trit * scale over K keys is x, within 6 standard errors.
 
   Per element, trit * scale is s * sign(x) * Bernoulli(p) with p = |x| / s,
@@ -206,7 +198,6 @@ def test_stochastic_rounding_is_unbiased():
   deviation over its standard deviation is about N(0, 1) and must stay below
   5: a small bias shared by many elements (poor uniforms) shows up there.
   """
-  seed = _fresh_seed()
   rng = np.random.default_rng(seed)
   block_size, n_blocks, draws = 64, 4, 2048
   block_scales = 10.0 ** rng.uniform(-3, 3, (n_blocks, 1))
@@ -235,8 +226,7 @@ def test_stochastic_rounding_is_unbiased():
   assert abs(z_total) < 5, f"seed={seed}: summed z={z_total:.2f}"
 
 
-def test_stochastic_rounding_replays_per_key_and_agrees_across_entry_points():
-  seed = _fresh_seed()
+def test_stochastic_rounding_replays_per_key_and_agrees_across_entry_points(seed):
   x = _heavy_tailed(seed, (900,))
   key, other = jax.random.split(jax.random.key(seed))
   trits, scales = ternary.ternary_round(x, block_size=128, key=key, implementation="xla")
@@ -288,10 +278,10 @@ def test_pack_unpack_round_trip(trits, packing_name):
 @pytest.mark.parametrize("shape, block_size", [((5,), 128), ((0, 3), 32)])
 @pytest.mark.parametrize("packing_name", ternary.PACKINGS)
 def test_inputs_shorter_than_a_kernel_chunk_are_coded_by_every_implementation(
-    shape, block_size, packing_name
+    shape, block_size, packing_name,
+    seed,
 ):
   """No kernel runs on them: every implementation gives the numpy rounding's bytes."""
-  seed = _fresh_seed()
   x = _heavy_tailed(seed, shape)
   trits, scales = _numpy_round(x, block_size)
   base, planes = _LAYOUTS[packing_name]

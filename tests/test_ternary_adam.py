@@ -32,10 +32,6 @@ BLOCK_SIZE = 64
 MIN_SIZE = 256
 
 
-def _fresh_seed() -> int:
-  return int(np.random.SeedSequence().entropy % 2**31)
-
-
 def _params(seed: int) -> dict[str, jax.Array]:
   """One tensor of every kind: factored, ternary with full nu, 3-D factored, small."""
   keys = jax.random.split(jax.random.key(seed), 4)
@@ -76,8 +72,7 @@ def _layout_of(state) -> dict:
 
 
 @pytest.mark.parametrize("packing, trits_per_byte", [("base3", 5), ("2bit", 4)])
-def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_per_byte):
-  seed = _fresh_seed()
+def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_per_byte, seed):
   params = _params(seed)
   opt = optax_memopt.scale_by_ternary_adam(
       block_size=BLOCK_SIZE, min_size=MIN_SIZE, packing=packing, key=seed
@@ -113,9 +108,8 @@ def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_pe
   assert float(jnp.max(state.mu.scales["matrix"])) > 0, f"seed={seed}"
 
 
-def test_first_step_is_adam_with_adafactor_second_moment():
+def test_first_step_is_adam_with_adafactor_second_moment(seed):
   """Step 1 is deterministic: m_hat = g, nu from the factored g**2 (numpy)."""
-  seed = _fresh_seed()
   params = _params(seed)
   grads = _grads(seed + 1, params)
   b2, eps = 0.99, 1e-8
@@ -143,8 +137,7 @@ def test_first_step_is_adam_with_adafactor_second_moment():
     )
 
 
-def test_small_tensors_follow_optax_adam():
-  seed = _fresh_seed()
+def test_small_tensors_follow_optax_adam(seed):
   params = {"w": jnp.zeros((10, 20))}
   opt = optax_memopt.scale_by_ternary_adam(b1=0.7, b2=0.95, min_size=MIN_SIZE)
   reference = optax.scale_by_adam(b1=0.7, b2=0.95)
@@ -168,7 +161,7 @@ def test_complex_parameters_are_refused_by_name(shape):
     opt.update({"w": jnp.full(shape, 1 + 1j, jnp.complex64)}, state)
 
 
-def test_stored_first_moment_is_an_unbiased_estimate():
+def test_stored_first_moment_is_an_unbiased_estimate(seed):
   """Averaged over keys, the decoded new moment equals b1 * m_prev + (1 - b1) * g.
 
   Each decoded element is ``s * t`` with ``t`` Bernoulli on ``{0, sign(m)}``
@@ -180,7 +173,6 @@ def test_stored_first_moment_is_an_unbiased_estimate():
   the mean over all elements of the normalized error, with standard deviation
   at most ``1 / (2 sqrt(K d))``, catches even a small common bias.
   """
-  seed = _fresh_seed()
   b1, keys = 0.5, 512
   params = {"w": jnp.zeros((30, 64)), "v": jnp.zeros((700,))}
   opt = optax_memopt.scale_by_ternary_adam(
@@ -224,8 +216,7 @@ def test_stored_first_moment_is_an_unbiased_estimate():
     assert abs(error.mean()) < 6 / (2 * np.sqrt(keys * exact.size)), f"{name}, seed={seed}"
 
 
-def test_runs_replay_exactly_from_the_same_key():
-  seed = _fresh_seed()
+def test_runs_replay_exactly_from_the_same_key(seed):
   params = _params(seed)
 
   def run(key):
@@ -247,7 +238,7 @@ def test_runs_replay_exactly_from_the_same_key():
   )
 
 
-def test_trains_the_transformer_about_as_well_as_adamw():
+def test_trains_the_transformer_about_as_well_as_adamw(seed):
   """Within 0.1 nats of AdamW on the library's byte-level language model.
 
   Both run the same initialisation and batches, at AdamW's learning rate;
@@ -258,7 +249,6 @@ def test_trains_the_transformer_about_as_well_as_adamw():
   with b1 = 0.9, which lets the rounding noise accumulate, trailed AdamW by
   0.2 here and 0.4 over 300 steps. A bound of 0.1 sits between the two.
   """
-  seed = _fresh_seed()
   config = model.TransformerConfig()
   options = dict(steps=150, batch_size=16, seq_len=32, seed=0)
   adamw = loop.train(config, optax.adamw(3e-3, weight_decay=0.0), **options)
@@ -435,7 +425,7 @@ def _dyadic_grads(seed, params):
   }
 
 
-def test_several_steps_and_a_resume_follow_the_numpy_reimplementation():
+def test_several_steps_and_a_resume_follow_the_numpy_reimplementation(seed):
   """Four steps, the state saved to numpy and restored into a new optimizer after two.
 
   Checks the directions, the stored trits and scales exactly, and the
@@ -445,7 +435,6 @@ def test_several_steps_and_a_resume_follow_the_numpy_reimplementation():
   key, and ``jax.random.bits(step_key, (leaves,), uint32)`` gives one per
   leaf in ``jax.tree.leaves`` order.
   """
-  seed = _fresh_seed()
   block_size, min_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
   params = {
       "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
@@ -499,9 +488,8 @@ class _Model(nnx.Module):
     return self.out(jax.nn.relu(self.hidden(x)))
 
 
-def test_trains_under_nnx_jit_with_nnx_optimizer():
+def test_trains_under_nnx_jit_with_nnx_optimizer(seed):
   """``nnx.Optimizer`` and an ``nnx.jit`` step: NNX rebuilds the state's trees on every call."""
-  seed = _fresh_seed()
   model = _Model(nnx.Rngs(seed))
   optimizer = nnx.Optimizer(
       model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param

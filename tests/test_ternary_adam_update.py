@@ -44,10 +44,6 @@ DIRECTION_RTOL = 2e-6
 _LAYOUTS = {"base3": (3, 5), "2bit": (4, 4)}
 
 
-def _fresh_seed() -> int:
-  return int(np.random.SeedSequence().entropy % 2**31)
-
-
 def _uniforms(seed: int, size: int) -> np.ndarray:
   """The documented rounding uniforms of elements ``0 .. size - 1``."""
   y = ((np.arange(size, dtype=np.uint64) ^ np.uint64(seed)) * np.uint64(0x9E3779B1)) % 2**32
@@ -146,8 +142,7 @@ def _assert_steps_equal(actual, expected, message):
 # A vector with a partial last block, a matrix whose rows are whole blocks,
 # and one whose rows are not (the flat layout).
 @pytest.mark.parametrize("shape", [(3000,), (6, 512), (5, 200)])
-def test_step_follows_the_formulas(implementation, packing, block_size, update_nu, shape):
-  seed = _fresh_seed()
+def test_step_follows_the_formulas(implementation, packing, block_size, update_nu, shape, seed):
   size = math.prod(shape)
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing)
   rounding_seed = seed + 1
@@ -202,8 +197,7 @@ _PARITY_CASES = [
 
 
 @pytest.mark.parametrize("packing, block_size, shape, dtype, update_nu", _PARITY_CASES)
-def test_interpret_kernel_and_xla_equal_the_reference(packing, block_size, shape, dtype, update_nu):
-  seed = _fresh_seed()
+def test_interpret_kernel_and_xla_equal_the_reference(packing, block_size, shape, dtype, update_nu, seed):
   geometry = chunks.ChunkGeometry(block_size, _LAYOUTS[packing][1])
   assert chunks.grid_extent(math.prod(shape), geometry, None)[0] > 0, "the case must run the kernel"
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing, grad_dtype=dtype)
@@ -215,9 +209,8 @@ def test_interpret_kernel_and_xla_equal_the_reference(packing, block_size, shape
     _assert_steps_equal(actual, expected, f"seed={seed}, {implementation}")
 
 
-def test_input_shorter_than_a_kernel_chunk_is_stepped_by_every_implementation():
+def test_input_shorter_than_a_kernel_chunk_is_stepped_by_every_implementation(seed):
   """No kernel runs on 300 elements (a 2-bit chunk is 512): every implementation takes XLA."""
-  seed = _fresh_seed()
   grad, stored, nu = _inputs(seed, (300,), block_size=32, packing="2bit")
   options = dict(block_size=32, packing="2bit", update_nu=True)
   expected = _step(grad, stored, nu, jnp.uint32(seed), **options, implementation="reference")
@@ -226,8 +219,7 @@ def test_input_shorter_than_a_kernel_chunk_is_stepped_by_every_implementation():
     _assert_steps_equal(actual, expected, f"seed={seed}, {implementation}")
 
 
-def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla():
-  seed = _fresh_seed()
+def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla(seed):
   block_size, size, layout = 128, 640 * 4 + 33, ternary.packing_layout("base3")
   grad, stored, nu = _inputs(seed, (size,), block_size=block_size, packing="base3")
   seed_bits = jnp.uint32(seed)
@@ -270,9 +262,8 @@ def _planar_bytes(codes, base, planes):
 # Blocks smaller than a 128-slice, of one slice, over several packed rows.
 @pytest.mark.parametrize("block_size", [32, 128, 640])
 @pytest.mark.parametrize("tiles_rows", [True, False])
-def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_rows):
+def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_rows, seed):
   """Packing, unpacking, shapes, zeros, and the conversion to the kernel's flat bytes."""
-  seed = _fresh_seed()
   base, planes = _LAYOUTS[packing]
   layout = ternary.packing_layout(packing)
   shape = (3, 2 * block_size) if tiles_rows else (3, block_size + 37)

@@ -23,10 +23,6 @@ from pallas_kernels import topk
 pytestmark = pytest.mark.kernels
 
 
-def fresh_seed() -> int:
-  return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def documented_keep(length: int, density: float) -> int:
   """The documented rule: ``min(n, max(1, ceil(n * density)))``, the product rounded to 9 decimals."""
   if length == 0:
@@ -100,8 +96,7 @@ KINDS = ["normal", "integers", "sparse", "special"]
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape, density, block_size", CASES)
-def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtype, kind):
-  seed = fresh_seed()
+def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtype, kind, seed):
   x = draw_input(kind, shape, dtype, seed)
   expected = topk.block_topk_reference(x, density=density, block_size=block_size)
   actual = topk.block_topk(x, density=density, block_size=block_size, implementation="interpret")
@@ -114,8 +109,7 @@ def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtyp
     "shape, density, block_size",
     CASES + [((5, 301), 0.035, 200), ((3, 4096), 0.01, 4096)],  # one stage; two stages (k = 41, groups of 8)
 )
-def test_xla_equals_reference(shape, density, block_size, dtype, kind):
-  seed = fresh_seed()
+def test_xla_equals_reference(shape, density, block_size, dtype, kind, seed):
   x = draw_input(kind, shape, dtype, seed)
   expected = topk.block_topk_reference(x, density=density, block_size=block_size)
   actual = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
@@ -133,8 +127,7 @@ def test_every_kernel_case_reaches_the_kernel(shape, density, block_size):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_reference_equals_numpy(kind, dtype):
-  seed = fresh_seed()
+def test_reference_equals_numpy(kind, dtype, seed):
   x = draw_input(kind, (5, 301), dtype, seed)
   indices, values = topk.block_topk_reference(x, density=0.035, block_size=200)
   expected_indices, expected_values = numpy_block_topk(x, 0.035, 200)
@@ -254,8 +247,7 @@ def test_index_dtype(block_size, index_dtype):
   np.testing.assert_array_equal(indices, np.arange(10))
 
 
-def test_numpy_scalar_arguments_and_jit():
-  seed = fresh_seed()
+def test_numpy_scalar_arguments_and_jit(seed):
   x = draw_input("integers", (3, 333), jnp.float32, seed)
   jitted = jax.jit(lambda x: topk.block_topk(x, density=np.float64(0.03), block_size=np.int64(128)))
   expected = topk.block_topk_reference(x, density=0.03, block_size=128)
@@ -351,8 +343,7 @@ def numpy_zero_selected(x, density: float, block_size: int) -> np.ndarray:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape, density, block_size", CASES + [((0,), 0.3, 8), ((10,), 0.75, 4)])
-def test_zero_selected_equals_zeroing_the_selected_positions(shape, density, block_size, dtype, kind):
-  seed = fresh_seed()
+def test_zero_selected_equals_zeroing_the_selected_positions(shape, density, block_size, dtype, kind, seed):
   x = draw_input(kind, shape, dtype, seed)
   indices, values = topk.block_topk(x, density=density, block_size=block_size)
   zeroed = topk.zero_selected(x, indices, values, density=density, block_size=block_size)
