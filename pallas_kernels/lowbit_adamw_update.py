@@ -1,0 +1,364 @@
+r"""One step of 8-bit, 4-bit or fp8 AdamW for one tensor: decode, update, re-encode.
+
+The moments ``m`` and ``v`` of a tensor are stored as codes with one absmax
+scale per block of ``block_size`` consecutive elements of the flattened
+tensor (:func:`pallas_kernels.quantize.map_encode`; the last block may be
+shorter). One step reads the gradient ``g`` and the stored moments once,
+and writes the new codes, scales and the direction once:
+
+.. math::
+
+  m' = \mathrm{lerp}(\hat m, g, 1 - \beta_1), \qquad
+  v' = \mathrm{lerp}(\hat v, g^2, 1 - \beta_2), \qquad
+  u = \frac{m' / (1 - \beta_1^t)}{\sqrt{v'} / \sqrt{1 - \beta_2^t} + \epsilon},
+
+with ``m_hat``, ``v_hat`` the decoded stored moments and torch's
+``lerp(a, b, w)`` (``a + w (b - a)`` for ``w < 0.5``, else
+``b - (b - a)(1 - w)``), all in float32 as in the reference (torchao's
+``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``). The direction uses this step's
+unrounded ``m'``, ``v'``; only the stored moments are rounded.
+
+State formats (:data:`STATE_FORMATS`):
+
+=========  =========================  ==========================  =====
+format     ``m`` code                 ``v`` code                  block
+=========  =========================  ==========================  =====
+``8bit``   dynamic, signed, 256       dynamic, unsigned, 256      256
+``4bit``   dynamic, signed, 16        linear ``{1/16, ..., 1}``   128
+``fp8``    float8 e4m3fn, scale/448   float8 e4m3fn, scale/448    256
+=========  =========================  ==========================  =====
+
+Layout (:func:`moment_shapes`): the codes of ``m`` and ``v`` have the
+tensor's own shape (uint8, or float8_e4m3fn for ``fp8``), so they shard
+like the tensor. In ``4bit`` one uint8 holds both codes of an element (``m``
+in the low nibble, ``v`` in the high nibble: one byte per element, read and
+written by one load and one store, and no pairing of neighbours, which
+Mosaic GPU cannot do); ``nu`` is then empty, shape ``(0,)``. The scales are
+float32 of shape ``(*shape[:-1], shape[-1] // block_size, 1)`` when the
+blocks tile the last axis (sharded with the tensor's leading axes), else
+``(ceil(size / block_size), 1)``. A zero state (codes 0, scales 0) decodes
+to exactly zero, as the reference's initial state.
+
+Implementations (``implementation=``):
+
+* ``"xla"``: :func:`lowbit_adamw_update_reference`.
+* ``"pallas"``: one Mosaic GPU kernel (``plgpu.kernel``), one program per
+  block: per block it decodes both moments, updates them, writes the
+  direction, then encodes the new moments against the block's new absmax,
+  which it keeps in a second pass over the block's rows. Gathers from a
+  table do not lower in Mosaic GPU, so the nearest map entry is found by a
+  scan over the map's entries (compare and select per entry), which is
+  compute-heavy for 256-entry maps. Blocks must be whole rows of 128
+  elements; a shorter last block and tensors whose blocks do not tile rows
+  run in the reference.
+* ``"interpret"``: the same kernel in the Mosaic GPU interpreter (CPU).
+* ``None``: ``"xla"`` until the kernel measures faster on a Hopper GPU
+  (``dispatch.FASTER_ON_HOPPER``).
+
+References:
+  Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022
+  (https://arxiv.org/abs/2110.02861).
+  Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS
+  2023 (https://arxiv.org/abs/2309.01507).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import _backend
+from pallas_kernels import dispatch
+from pallas_kernels import quantize
+from pallas_kernels import static_args
+
+
+class StateFormat(NamedTuple):
+  """How a format codes ``m`` and ``v``: names of ``quantize`` codes, and its default block."""
+
+  mu_code: str
+  nu_code: str
+  block_size: int
+
+
+STATE_FORMATS: dict[str, StateFormat] = {
+    "8bit": StateFormat("dynamic_8bit_signed", "dynamic_8bit_unsigned", 256),
+    "4bit": StateFormat("dynamic_4bit_signed", "linear_4bit_unsigned", 128),
+    "fp8": StateFormat(quantize.FLOAT8_CODE, quantize.FLOAT8_CODE, 256),
+}
+
+
+class LowbitMoments(NamedTuple):
+  """The stored moments of one tensor (shapes in the module docstring)."""
+
+  mu: jax.Array  # The tensor's shape: m's codes (4bit: m's and v's), uint8 or float8_e4m3fn.
+  nu: jax.Array  # The tensor's shape: v's codes; shape (0,) uint8 for 4bit.
+  mu_scales: jax.Array  # float32, (*blocks, 1).
+  nu_scales: jax.Array  # float32, (*blocks, 1).
+
+
+def check_state_format(state_format: Any) -> StateFormat:
+  """The ``StateFormat`` named ``state_format``, or a ``ValueError`` naming the argument."""
+  static_args.check_static("state_format", state_format)
+  if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
+    raise ValueError(
+        f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}."
+    )
+  return STATE_FORMATS[state_format]
+
+
+def _paired(state_format: str) -> bool:
+  """Whether one byte holds both moments' codes (4-bit)."""
+  return state_format == "4bit"
+
+
+def blocks_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+  """The scales' shape without their trailing 1: the tensor in blocks."""
+  if shape and shape[-1] % block_size == 0:
+    return (*shape[:-1], shape[-1] // block_size)
+  return (-(-math.prod(shape) // block_size),)
+
+
+def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int) -> LowbitMoments:
+  """The ``jax.ShapeDtypeStruct`` of each field of a tensor's ``LowbitMoments``.
+
+  Examples:
+    >>> from pallas_kernels.lowbit_adamw_update import moment_shapes
+    >>> [(a.shape, a.dtype.name) for a in moment_shapes((64, 512), state_format="4bit", block_size=128)]
+    [((64, 512), 'uint8'), ((0,), 'uint8'), ((64, 4, 1), 'float32'), ((64, 4, 1), 'float32')]
+    >>> moment_shapes((100, 30), state_format="8bit", block_size=256).mu_scales.shape
+    (12, 1)
+  """
+  state = check_state_format(state_format)
+  block_size = static_args.check_int("block_size", block_size, 1)
+  shape = tuple(shape)
+  scales = jax.ShapeDtypeStruct((*blocks_shape(shape, block_size), 1), jnp.float32)
+  codes = jax.ShapeDtypeStruct(shape, quantize.code_dtype(state.mu_code))
+  nu = jax.ShapeDtypeStruct((0,), jnp.uint8) if _paired(state_format) else codes
+  return LowbitMoments(codes, nu, scales, scales)
+
+
+def zero_moments(shape: tuple[int, ...], *, state_format: str, block_size: int) -> LowbitMoments:
+  """Moments that decode to zero: codes 0 and scales 0."""
+  return LowbitMoments(
+      *(jnp.zeros(a.shape, a.dtype) for a in moment_shapes(shape, state_format=state_format, block_size=block_size))
+  )
+
+
+# Elementwise math shared by the kernel body and the reference.
+
+
+def _rounded(x: jax.Array, zero: jax.Array) -> jax.Array:
+  """``x`` as computed, rounded to float32: never fused into a following add.
+
+  XLA and LLVM contract a multiply feeding an add into one fused
+  multiply-add, which rounds once instead of twice and so differs from the
+  reference (torch on the CPU rounds every operation) in the last bit, which
+  can flip a code. An OR with ``zero``, an int32 zero the compiler cannot
+  see through, makes the product a value of its own.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.int32) | zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def opaque_zero(count: Any) -> jax.Array:
+  """An int32 zero computed from the step count (``>= 1``), for :func:`_rounded`."""
+  return jnp.minimum(jnp.asarray(count).astype(jnp.int32), 0)
+
+
+def _lerp(start: jax.Array, end: jax.Array, weight: Any, zero: jax.Array) -> jax.Array:
+  """torch's ``lerp``: the formula from the nearer end, so weights near 1 stay exact."""
+  diff = end - start
+  near_start = start + _rounded(weight * diff, zero)
+  near_end = end - _rounded(diff * (1 - weight), zero)
+  if isinstance(weight, (float, np.floating)):
+    return near_start if weight < 0.5 else near_end
+  return jnp.where(weight < 0.5, near_start, near_end)
+
+
+def _one_minus(rate: Any) -> Any:
+  """``1 - rate`` in float32: computed in float64 and rounded for Python numbers, as the reference."""
+  if isinstance(rate, (int, float, np.number)) and not isinstance(rate, bool):
+    return np.float32(1 - float(rate))
+  return 1 - jnp.asarray(rate, jnp.float32)
+
+
+def _bias_corrections(count: Any, b1: Any, b2: Any) -> tuple[jax.Array, jax.Array]:
+  """``1 - b1**t`` and ``sqrt(1 - b2**t)`` in float32."""
+  t = jnp.asarray(count).astype(jnp.float32)
+  b1, b2 = (jnp.asarray(b, jnp.float32) for b in (b1, b2))
+  return 1 - b1**t, jnp.sqrt(1 - b2**t)
+
+
+def _direction(mu, nu_root, bias_correction_1, root_bias_correction_2, eps) -> jax.Array:
+  return (mu / bias_correction_1) / (nu_root / root_bias_correction_2 + eps)
+
+
+def adamw_moments(
+    grad: jax.Array, mu: jax.Array, nu: jax.Array, *, count: Any, b1: Any, b2: Any
+) -> tuple[jax.Array, jax.Array]:
+  """The reference's float32 moment update: ``lerp(mu, g, 1 - b1)``, ``lerp(nu, g**2, 1 - b2)``.
+
+  For moments kept in float32 (tensors below an optimizer's size threshold);
+  the quantized step applies it to the decoded moments. Every product is
+  rounded on its own, as in the reference, when ``count`` is an array (as in
+  an optimizer's state); a Python ``count`` lets the compiler fuse them.
+  """
+  zero = opaque_zero(count)
+  g = grad.astype(jnp.float32)
+  return (
+      _lerp(_rounded(mu, zero), g, _one_minus(b1), zero),
+      _lerp(_rounded(nu, zero), _rounded(g * g, zero), _one_minus(b2), zero),
+  )
+
+
+def adamw_direction(mu: jax.Array, nu: jax.Array, *, count: Any, b1: Any, b2: Any, eps: Any) -> jax.Array:
+  """``(mu / (1 - b1**t)) / (sqrt(nu) / sqrt(1 - b2**t) + eps)`` in float32."""
+  return _direction(mu, jnp.sqrt(nu), *_bias_corrections(count, b1, b2), eps)
+
+
+# Block views.
+
+
+def _as_blocks(x: jax.Array, blocks: tuple[int, ...], block_size: int) -> jax.Array:
+  """``x`` as ``(*blocks, block_size)``: a reshape, after zero padding the flat tensor if needed."""
+  padding = math.prod(blocks) * block_size - x.size
+  if padding:
+    x = jnp.pad(x.reshape(-1), (0, padding))
+  return x.reshape(*blocks, block_size)
+
+
+def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  size = math.prod(shape)
+  if x.size != size:
+    x = x.reshape(-1)[:size]
+  return x.reshape(shape)
+
+
+def _split_codes(moments: LowbitMoments, state_format: str) -> tuple[jax.Array, jax.Array]:
+  if _paired(state_format):
+    return moments.mu & np.uint8(0xF), moments.mu >> np.uint8(4)
+  return moments.mu, moments.nu
+
+
+def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> tuple[jax.Array, jax.Array]:
+  if _paired(state_format):
+    return mu_codes | (nu_codes << np.uint8(4)), jnp.zeros((0,), jnp.uint8)
+  return mu_codes, nu_codes
+
+
+def lowbit_adamw_update_reference(
+    grad: jax.Array,
+    moments: LowbitMoments,
+    *,
+    count: Any,
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    state_format: str,
+    block_size: int,
+) -> tuple[jax.Array, LowbitMoments]:
+  """The step in plain jnp (see the module docstring); also the ``"xla"`` implementation."""
+  state = STATE_FORMATS[state_format]
+  shape = grad.shape
+  blocks = blocks_shape(shape, block_size)
+
+  def decode(codes, scales, code):
+    return _from_blocks(quantize.map_decode(_as_blocks(codes, blocks, block_size), scales, code=code), shape)
+
+  def encode(values, code):
+    codes, scales = quantize.map_encode(_as_blocks(values, blocks, block_size), code=code)
+    return _from_blocks(codes, shape), scales
+
+  mu_codes, nu_codes = _split_codes(moments, state_format)
+  mu, nu = adamw_moments(
+      grad,
+      decode(mu_codes, moments.mu_scales, state.mu_code),
+      decode(nu_codes, moments.nu_scales, state.nu_code),
+      count=count,
+      b1=b1,
+      b2=b2,
+  )
+  (mu_codes, mu_scales), (nu_codes, nu_scales) = encode(mu, state.mu_code), encode(nu, state.nu_code)
+  direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
+  return direction.astype(grad.dtype), LowbitMoments(
+      *_join_codes(mu_codes, nu_codes, state_format), mu_scales, nu_scales
+  )
+
+
+def lowbit_adamw_update(
+    grad: jax.Array,
+    moments: LowbitMoments,
+    *,
+    count: Any,
+    b1: Any,
+    b2: Any,
+    eps: Any,
+    state_format: str,
+    block_size: int,
+    implementation: dispatch.Implementation = None,
+) -> tuple[jax.Array, LowbitMoments]:
+  r"""One step of low-bit AdamW for one tensor: the direction and the new stored moments.
+
+  .. math::
+    m' = \mathrm{lerp}(\hat m, g, 1 - \beta_1), \quad
+    v' = \mathrm{lerp}(\hat v, g^2, 1 - \beta_2), \quad
+    u = \frac{m' / (1 - \beta_1^t)}{\sqrt{v'} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+  and ``m'``, ``v'`` stored again as codes with block absmax scales.
+
+  Args:
+    grad: the gradient, any shape, a floating dtype (math in float32).
+    moments: the stored moments (:func:`moment_shapes`, :func:`zero_moments`).
+    count: the step ``t``, 1-based.
+    b1: decay of ``m``, in ``[0, 1)``.
+    b2: decay of ``v``, in ``[0, 1)``.
+    eps: added to the denominator.
+    state_format: ``"8bit"``, ``"4bit"`` or ``"fp8"``.
+    block_size: elements per scale.
+    implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"interpret"``
+      (module docstring).
+
+  Returns:
+    ``(direction, moments)``: ``u`` in ``grad``'s shape and dtype, and the
+    new ``LowbitMoments``.
+
+  Raises:
+    ValueError: for an unknown format, a block size, implementation or
+      ``moments`` that does not fit ``grad``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.lowbit_adamw_update import lowbit_adamw_update, zero_moments
+    >>> grad = jnp.linspace(-1.0, 1.0, 512).reshape(2, 256)
+    >>> moments = zero_moments(grad.shape, state_format="8bit", block_size=256)
+    >>> direction, moments = lowbit_adamw_update(
+    ...     grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="8bit", block_size=256)
+    >>> bool(jnp.allclose(direction, jnp.sign(grad), atol=1e-4))  # Adam's first step.
+    True
+    >>> moments.mu.dtype, moments.mu_scales.shape
+    (dtype('uint8'), (2, 1, 1))
+  """
+  grad = jnp.asarray(grad)
+  if not jnp.issubdtype(grad.dtype, jnp.floating):
+    raise ValueError(f"grad must have a floating dtype; got {grad.dtype}.")
+  expected = moment_shapes(grad.shape, state_format=state_format, block_size=block_size)
+  if not isinstance(moments, LowbitMoments):
+    raise ValueError(f"moments must be a LowbitMoments; got {type(moments).__name__}.")
+  for name, actual, wanted in zip(LowbitMoments._fields, moments, expected):
+    if actual.shape != wanted.shape or actual.dtype != wanted.dtype:
+      raise ValueError(
+          f"moments.{name} must be {wanted.dtype}{list(wanted.shape)} for a gradient of shape"
+          f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
+          f" {actual.dtype}{list(actual.shape)}."
+      )
+  implementation = dispatch.resolve("lowbit_adamw_update", implementation)
+  args = dict(count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)
+  if implementation == "xla":
+    return lowbit_adamw_update_reference(grad, moments, **args)
+  return _kernel_step(grad, moments, interpret=implementation == "interpret", **args)
