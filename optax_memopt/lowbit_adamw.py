@@ -52,18 +52,19 @@ class ScaleByLowbitAdamState(NamedTuple):
   Per parameter of ``d >= min_quantized_size`` elements (``d > 0``), in
   ``n = ceil(d / block_size)`` blocks (shapes and the 4-bit byte layout in
   ``pallas_kernels.lowbit_adamw_update``); per smaller parameter, float32
-  moments and empty ``(0,)`` float32 scales.
+  moments and None for the scales. A field a parameter has no array for
+  holds None (not an empty array, which orbax cannot save).
   """
 
   count: jax.Array  # shape=(), dtype=jnp.int32; steps taken.
   # The param's shape: m's codes, uint8 (8bit; 4bit: m's code in the low
   # nibble, v's in the high nibble) or float8_e4m3fn (fp8); float32 m when small.
   mu: optax.Updates
-  # The param's shape: v's codes, uint8 (8bit) or float8_e4m3fn (fp8); shape
-  # (0,) uint8 for 4bit (in mu); float32 v when small.
+  # The param's shape: v's codes, uint8 (8bit) or float8_e4m3fn (fp8); None
+  # for 4bit (in mu); float32 v when small.
   nu: optax.Updates
   # float32, (*param.shape[:-1], param.shape[-1] // block_size, 1) when blocks
-  # tile the last axis, else (n, 1); (0,) when small.
+  # tile the last axis, else (n, 1); None when small.
   mu_scales: optax.Updates
   nu_scales: optax.Updates  # As mu_scales.
 
@@ -76,6 +77,10 @@ def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_
   hyperparameters.check_int("block_size", block_size, 1)
   hyperparameters.check_int("min_quantized_size", min_quantized_size, 0)
   dispatch.check(implementation)
+  if implementation in ("pallas", "interpret"):
+    reason = fused_step.kernel_unsupported_reason(block_size)
+    if reason is not None:
+      raise ValueError(reason)
 
 
 def scale_by_lowbit_adam(
@@ -158,8 +163,8 @@ def scale_by_lowbit_adam(
     def init_leaf(param):
       if quantized(param):
         return fused_step.zero_moments(param.shape, state_format=state_format, block_size=block_size)
-      zeros, empty = jnp.zeros(param.shape, jnp.float32), jnp.zeros((0,), jnp.float32)
-      return fused_step.LowbitMoments(zeros, zeros, empty, empty)
+      zeros = jnp.zeros(param.shape, jnp.float32)
+      return fused_step.LowbitMoments(zeros, zeros, None, None)
 
     per_leaf, treedef = jax.tree.flatten(params)
     fields = zip(*(init_leaf(p) for p in per_leaf)) if per_leaf else [()] * 4

@@ -753,8 +753,8 @@ def dequantize_add(
 # ``x / scale``; it decodes to ``map[code] * scale``. ``"float8_e4m3fn"``
 # instead stores ``x / (scale / 448)`` as a float8 e4m3fn number.
 
-_MAP_ZERO_BLOCK_SCALE = 1e-12
-_FLOAT8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448.
+MAP_ZERO_BLOCK_SCALE = 1e-12
+FLOAT8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448.
 FLOAT8_CODE = "float8_e4m3fn"
 
 
@@ -948,7 +948,7 @@ def _divide(x: jax.Array, divisor: Any) -> jax.Array:
 
 def block_absmax_scales(blocks: jax.Array) -> jax.Array:
   """``max(max |x|, 1e-12)`` over the last axis of float32 ``blocks``, kept as an axis of 1."""
-  return jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), _MAP_ZERO_BLOCK_SCALE)
+  return jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), MAP_ZERO_BLOCK_SCALE)
 
 
 def map_encode(blocks: jax.Array, *, code: str) -> tuple[jax.Array, jax.Array]:
@@ -960,7 +960,7 @@ def map_encode(blocks: jax.Array, *, code: str) -> tuple[jax.Array, jax.Array]:
   """
   scales = block_absmax_scales(blocks)
   if code == FLOAT8_CODE:
-    scales = _divide(scales, _FLOAT8_MAX)
+    scales = _divide(scales, FLOAT8_MAX)
     return _divide(blocks, scales).astype(jnp.float8_e4m3fn), scales
   return nearest_map_code(_divide(blocks, scales), CODE_MAPS[code]).astype(jnp.uint8), scales
 
