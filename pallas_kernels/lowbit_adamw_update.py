@@ -178,7 +178,9 @@ def _lerp(start: jax.Array, end: jax.Array, weight: Any, zero: jax.Array) -> jax
   near_end = end - _rounded(diff * (1 - weight), zero)
   if isinstance(weight, (float, np.floating)):
     return near_start if weight < 0.5 else near_end
-  return jnp.where(weight < 0.5, near_start, near_end)
+  # The weight compared per element (a vector predicate), which Mosaic GPU
+  # on JAX 0.12 selects with where it does not broadcast a scalar one.
+  return jnp.where(zero.astype(jnp.float32) + weight < 0.5, near_start, near_end)
 
 
 def _one_minus(rate: Any) -> Any:
