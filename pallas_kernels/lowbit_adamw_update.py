@@ -48,9 +48,13 @@ Implementations (``implementation=``):
   which it keeps in a second pass over the block's rows. Gathers from a
   table do not lower in Mosaic GPU, so the nearest map entry is found by a
   scan over the map's entries (compare and select per entry), which is
-  compute-heavy for 256-entry maps. Blocks must be whole rows of 128
-  elements; a shorter last block and tensors whose blocks do not tile rows
-  run in the reference.
+  compute-heavy for 256-entry maps. ``block_size`` must be a multiple of
+  128 (whole rows); a shorter last block runs in the reference and is
+  joined to the kernel's blocks by XLA. Every product is rounded on its own
+  (:func:`_rounded`) and divisions are true divisions, so the stored
+  moments equal the reference's bit for bit; the direction takes the square
+  root as ``x * rsqrt(x)`` (Mosaic GPU on JAX 0.10 has no ``sqrt``) and
+  agrees to a few float32 ulps.
 * ``"interpret"``: the same kernel in the Mosaic GPU interpreter (CPU).
 * ``None``: ``"xla"`` until the kernel measures faster on a Hopper GPU
   (``dispatch.FASTER_ON_HOPPER``).

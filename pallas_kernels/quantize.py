@@ -1,4 +1,4 @@
-r"""Blockwise asymmetric 4-bit and 8-bit quantization, with Mosaic GPU kernels.
+r"""Blockwise quantization: asymmetric 4-bit and 8-bit codes (with Mosaic GPU kernels) and map-based codes.
 
 The flattened input is cut into buckets of ``bucket_size`` consecutive
 elements (the last one may be shorter). Each bucket keeps its ``min`` and
@@ -42,10 +42,21 @@ last row with the packing module's tail rule, so every implementation gives
 the same bytes; that padding and repacking are XLA copies outside the kernels
 when the size is not a whole number of programs or rows.
 
+Map-based codes (:func:`map_quantize`, :func:`map_dequantize`, and the
+blockwise :func:`map_encode`, :func:`map_decode` they share with the fused
+low-bit AdamW step): each block of ``block_size`` elements keeps its absmax
+``s`` (at least ``1e-12``) and each element the index of the entry of a
+sorted map nearest to ``x / s`` (bitsandbytes' dynamic maps, a linear map,
+:data:`CODE_MAPS`), or ``x / (s / 448)`` as float8 e4m3fn. These are XLA
+ops; their GPU kernel is the fused optimizer step
+(``pallas_kernels.lowbit_adamw_update``).
+
 References:
   Modoranu et al., `MicroAdam: Accurate Adaptive Optimization with Low Space
   Overhead and Provable Convergence <https://arxiv.org/abs/2405.15593>`_, 2024
   (``asymm_block_quant`` in IST-DASLab/ISTA-DASLab-Optimizers-CUDA).
+  Dettmers et al., `8-bit Optimizers via Block-wise Quantization
+  <https://arxiv.org/abs/2110.02861>`_, ICLR 2022 (the map-based codes).
 """
 
 from __future__ import annotations
