@@ -2,7 +2,7 @@ r"""One step of 8-bit, 4-bit or fp8 AdamW for one tensor: decode, update, re-enc
 
 The moments ``m`` and ``v`` of a tensor are stored as codes with one absmax
 scale per block of ``block_size`` consecutive elements of the flattened
-tensor (:func:`pallas_kernels.quantize.map_encode`; the last block may be
+tensor (:func:`pallas_kernels.quantize.map_scales`, ``map_encode``; the last block may be
 shorter). One step reads the gradient ``g`` and the stored moments once,
 and writes the new codes, scales and the direction once:
 
@@ -274,18 +274,20 @@ def lowbit_adamw_update_reference(
   shape = grad.shape
   blocks = blocks_shape(shape, block_size)
 
-  def decode(codes, scales, code):
-    return _from_blocks(quantize.map_decode(_as_blocks(codes, blocks, block_size), scales, code=code), shape)
+  def per_element(scales):
+    """Each element's scale, in the tensor's shape: decoding and encoding are
+    elementwise there, so the codes keep the tensor's layout and sharding."""
+    return _from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
 
   def encode(values, code):
-    codes, scales = quantize.map_encode(_as_blocks(values, blocks, block_size), code=code)
-    return _from_blocks(codes, shape), scales
+    scales = quantize.map_scales(_as_blocks(values, blocks, block_size), code=code)
+    return quantize.map_encode(values, per_element(scales), code=code), scales
 
   mu_codes, nu_codes = _split_codes(moments, state_format)
   mu, nu = adamw_moments(
       grad,
-      decode(mu_codes, moments.mu_scales, state.mu_code),
-      decode(nu_codes, moments.nu_scales, state.nu_code),
+      quantize.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code),
+      quantize.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code),
       count=count,
       b1=b1,
       b2=b2,

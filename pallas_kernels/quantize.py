@@ -43,7 +43,7 @@ the same bytes; that padding and repacking are XLA copies outside the kernels
 when the size is not a whole number of programs or rows.
 
 Map-based codes (:func:`map_quantize`, :func:`map_dequantize`, and the
-blockwise :func:`map_encode`, :func:`map_decode` they share with the fused
+blockwise :func:`map_scales`, :func:`map_encode`, :func:`map_decode` they share with the fused
 low-bit AdamW step): each block of ``block_size`` elements keeps its absmax
 ``s`` (at least ``1e-12``) and each element the index of the entry of a
 sorted map nearest to ``x / s`` (bitsandbytes' dynamic maps, a linear map,
@@ -957,23 +957,25 @@ def _divide(x: jax.Array, divisor: Any) -> jax.Array:
   return x / lax.bitcast_convert_type(bits | zero, jnp.float32)
 
 
-def block_absmax_scales(blocks: jax.Array) -> jax.Array:
-  """``max(max |x|, 1e-12)`` over the last axis of float32 ``blocks``, kept as an axis of 1."""
-  return jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), MAP_ZERO_BLOCK_SCALE)
+def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
+  """The scales of float32 ``blocks`` (a block per row of the last axis), shape ``(..., 1)``.
 
-
-def map_encode(blocks: jax.Array, *, code: str) -> tuple[jax.Array, jax.Array]:
-  """Codes and scales of float32 ``blocks`` (a block per row of the last axis).
-
-  Returns ``(codes, scales)``: codes of ``blocks``' shape in
-  ``code_dtype(code)``, float32 scales of shape ``(..., 1)``. Divisions are
-  true divisions, as in the reference (:func:`_divide`).
+  ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``.
   """
-  scales = block_absmax_scales(blocks)
+  scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), MAP_ZERO_BLOCK_SCALE)
+  return _divide(scales, FLOAT8_MAX) if code == FLOAT8_CODE else scales
+
+
+def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
+  """Codes of float32 ``values`` under ``scales`` (broadcast to ``values``), in ``code_dtype(code)``.
+
+  The division is a true division, as in the reference (:func:`_divide`).
+  Elementwise, so the codes keep the layout (and sharding) of ``values``.
+  """
+  ratios = _divide(values, scales)
   if code == FLOAT8_CODE:
-    scales = _divide(scales, FLOAT8_MAX)
-    return _divide(blocks, scales).astype(jnp.float8_e4m3fn), scales
-  return nearest_map_code(_divide(blocks, scales), CODE_MAPS[code]).astype(jnp.uint8), scales
+    return ratios.astype(jnp.float8_e4m3fn)
+  return nearest_map_code(ratios, CODE_MAPS[code]).astype(jnp.uint8)
 
 
 def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
@@ -1034,8 +1036,9 @@ def map_quantize(x: jax.Array, *, code: str, block_size: int) -> MapQuantized:
   block_size = static_args.check_int("block_size", block_size, 1)
   x = jnp.asarray(x)
   size = x.size
-  codes, scales = map_encode(_map_blocks(x.astype(jnp.float32), block_size), code=code)
-  return MapQuantized(codes.reshape(-1)[:size], scales.reshape(-1))
+  blocks = _map_blocks(x.astype(jnp.float32), block_size)
+  scales = map_scales(blocks, code=code)
+  return MapQuantized(map_encode(blocks, scales, code=code).reshape(-1)[:size], scales.reshape(-1))
 
 
 def map_dequantize(q: MapQuantized, *, size: int, code: str, block_size: int) -> jax.Array:
