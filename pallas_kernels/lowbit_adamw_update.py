@@ -170,7 +170,7 @@ def _rounded(x: jax.Array, zero: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def opaque_zero(count: Any) -> jax.Array:
+def _opaque_zero(count: Any) -> jax.Array:
   """An int32 zero computed from the step count (``>= 1``), for :func:`_rounded`."""
   return jnp.minimum(jnp.asarray(count).astype(jnp.int32), 0)
 
@@ -215,7 +215,7 @@ def adamw_moments(
   rounded on its own, as in the reference, when ``count`` is an array (as in
   an optimizer's state); a Python ``count`` lets the compiler fuse them.
   """
-  zero = opaque_zero(count)
+  zero = _opaque_zero(count)
   g = grad.astype(jnp.float32)
   return (
       _lerp(_rounded(mu, zero), g, _one_minus(b1), zero),
@@ -567,7 +567,7 @@ def _kernel_step(
       interpret=interpret,
       scratch_types=[plgpu.SMEM((rows, KERNEL_ROW), jnp.float32)] * 2,
   )
-  inputs = [_kernel_hyperparameters(count, b1, b2, eps), opaque_zero(count) + jnp.zeros((KERNEL_ROW,), jnp.int32)]
+  inputs = [_kernel_hyperparameters(count, b1, b2, eps), _opaque_zero(count) + jnp.zeros((KERNEL_ROW,), jnp.int32)]
   if state.mu_code != quantize.FLOAT8_CODE:
     inputs += [jnp.asarray(quantize.CODE_MAPS[state.mu_code]), jnp.asarray(quantize.CODE_MAPS[state.nu_code])]
   inputs += [as_rows(grad), as_rows(moments.mu)] + ([] if paired else [as_rows(moments.nu)])
