@@ -163,8 +163,9 @@ def scale_by_lowbit_adam(
     def init_leaf(param):
       if quantized(param):
         return fused_step.zero_moments(param.shape, state_format=state_format, block_size=block_size)
-      zeros = jnp.zeros(param.shape, jnp.float32)
-      return fused_step.LowbitMoments(zeros, zeros, None, None)
+      # Two buffers: one array in two state leaves cannot be donated.
+      mu, nu = (jnp.zeros(param.shape, jnp.float32) for _ in range(2))
+      return fused_step.LowbitMoments(mu, nu, None, None)
 
     per_leaf, treedef = jax.tree.flatten(params)
     fields = zip(*(init_leaf(p) for p in per_leaf)) if per_leaf else [()] * 4

@@ -307,3 +307,15 @@ def test_nnx_optimizer_under_nnx_jit(kind):
   assert losses[-1] < losses[0], losses
   mu = optimizer.opt_state[0].mu
   assert mu["a"]["kernel"][...].dtype != jnp.float32 and mu["a"]["bias"][...].dtype == jnp.float32
+
+
+def test_state_can_be_donated():
+  # Every state leaf is a buffer of its own (small tensors' mu and nu too).
+  params = {"w": jnp.ones((64, 128)), "b": jnp.ones((64,))}
+  for kind, alias in ALIASES.items():
+    optimizer = alias(1e-3)
+    state = optimizer.init(params)
+    step = jax.jit(optimizer.update, donate_argnums=1)
+    for _ in range(2):
+      _, state = step(jax.tree.map(jnp.ones_like, params), state, params)
+    assert int(state[0].count) == 2, kind
