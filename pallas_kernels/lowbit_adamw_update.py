@@ -43,9 +43,9 @@ Implementations (``implementation=``):
 
 * ``"xla"``: :func:`lowbit_adamw_update_reference`.
 * ``"pallas"``: one Mosaic GPU kernel (``plgpu.kernel``), one program per
-  block: per block it decodes both moments, updates them, writes the
-  direction, then encodes the new moments against the block's new absmax,
-  which it keeps in a second pass over the block's rows. Gathers from a
+  block: per row of the block it decodes both moments, updates them, writes
+  the direction and keeps the new moments in shared memory, then, once the
+  block's new absmax is known, encodes them in a second pass over the rows. Gathers from a
   table do not lower in Mosaic GPU, so the nearest map entry is found by a
   scan over the map's entries (compare and select per entry), which is
   compute-heavy for 256-entry maps. ``block_size`` must be a multiple of
