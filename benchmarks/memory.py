@@ -28,6 +28,7 @@ PAPER_LLAMA2_7B = {
     "adamw_bf16": "25.1 GiB (MicroAdam paper: bf16 m and v with bf16 weights; this row keeps v in fp32)",
     "adam_mini": "26.96 GB (Adam-mini repo, fp32)",
     "microadam": "5.65 GiB (MicroAdam paper)",
+    "adamw_8bit": "12.55 GiB (MicroAdam paper: bitsandbytes' AdamW-8bit)",
 }
 
 
@@ -63,7 +64,6 @@ def main(argv=None) -> None:
       cells += [f"{nbytes / 1e9:.2f}", f"{nbytes / 2**30:.2f}", PAPER_LLAMA2_7B.get(row["optimizer"], "")]
     print(f"| {row['optimizer']} | " + " | ".join(cells) + " |")
   print("parameters: " + ", ".join(f"{m} {rows[0][m]['n_params']:,}" for m in args.models))
-  print("AdamW-8bit (bitsandbytes, not in this library): 12.55 GiB in the MicroAdam paper.")
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "memory.json").write_text(json.dumps(rows, indent=1))
 

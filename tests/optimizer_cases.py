@@ -61,6 +61,27 @@ CASES: dict[str, OptimizerCase] = {
         dict(learning_rate=1e-2, weight_decay=1e-4, block_size=32, min_size=32),
         static_args=("block_size", "min_size", "key"),
     ),
+    # min_quantized_size=32 quantizes the kernel, the embedding and the bias;
+    # the norm scale keeps float32 moments. Blocks of 16 do not divide the
+    # (24, 40) kernel's, the (50, 24) embedding's or the bias's rows (flat
+    # blocks, the last one short); fp8's blocks of 8 tile the kernel's and
+    # the embedding's rows (scales shaped like the rows). Both divide the
+    # tensor-parallel shards of the sharded tests' matrices (48 columns).
+    "adamw_8bit": OptimizerCase(
+        optax_memopt.adamw_8bit,
+        dict(learning_rate=1e-2, weight_decay=1e-4, block_size=16, min_quantized_size=32),
+        static_args=("block_size", "min_quantized_size"),
+    ),
+    "adamw_4bit": OptimizerCase(
+        optax_memopt.adamw_4bit,
+        dict(learning_rate=1e-2, weight_decay=1e-4, block_size=16, min_quantized_size=32),
+        static_args=("block_size", "min_quantized_size"),
+    ),
+    "adamw_fp8": OptimizerCase(
+        optax_memopt.adamw_fp8,
+        dict(learning_rate=1e-2, weight_decay=1e-4, block_size=8, min_quantized_size=32),
+        static_args=("block_size", "min_quantized_size"),
+    ),
 }
 
 # Layouts that only the sharded tests tell apart, on tests.sharding_check's

@@ -87,6 +87,30 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
         has_kernels=True,
     ),
+    "adamw_8bit": OptimizerSpec(
+        lambda lr, config, implementation=None: optax_memopt.adamw_8bit(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
+        3e-3,
+        "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
+        has_kernels=True,
+    ),
+    "adamw_4bit": OptimizerSpec(
+        lambda lr, config, implementation=None: optax_memopt.adamw_4bit(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
+        3e-3,
+        "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
+        has_kernels=True,
+    ),
+    "adamw_fp8": OptimizerSpec(
+        lambda lr, config, implementation=None: optax_memopt.adamw_fp8(
+            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
+        ),
+        3e-3,
+        "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
+        has_kernels=True,
+    ),
 }
 
 

@@ -1,0 +1,88 @@
+"""The fused low-bit AdamW step: the Mosaic GPU kernel (in the GPU interpreter)
+against the reference, bit for bit in the stored moments, and its limits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import lowbit_adamw_update as fused_step
+
+pytestmark = pytest.mark.kernels
+
+
+def fresh_seed() -> int:
+  return int(np.random.SeedSequence().entropy % 2**31)
+
+
+def bitwise(x) -> np.ndarray:
+  x = np.asarray(x)
+  return x.view(f"uint{8 * x.dtype.itemsize}")
+
+
+# (format, shape, gradient dtype, block size): a tail block run by the
+# reference beside the kernel's whole blocks (8bit), blocks of two rows
+# (fp8), bfloat16 gradients with the paired 4-bit codes.
+CASES = [
+    ("8bit", (2, 150), jnp.float32, 128),
+    ("4bit", (2, 128), jnp.bfloat16, 128),
+    ("fp8", (512,), jnp.float32, 256),
+]
+
+
+@pytest.mark.parametrize("state_format,shape,dtype,block_size", CASES)
+def test_kernel_matches_the_reference(state_format, shape, dtype, block_size):
+  seed = fresh_seed()
+  rng = np.random.default_rng(seed)
+  args = dict(b1=0.9, b2=0.999, eps=1e-8, state_format=state_format, block_size=block_size)
+  # A state of different block scales, from one reference step.
+  scales = 10.0 ** rng.uniform(-3, 1, shape)
+  first = jnp.asarray(rng.standard_normal(shape) * scales, dtype)
+  _, moments = fused_step.lowbit_adamw_update(
+      first, fused_step.zero_moments(shape, state_format=state_format, block_size=block_size),
+      count=jnp.int32(1), implementation="xla", **args,
+  )
+  grad = jnp.asarray(rng.standard_normal(shape) * scales, dtype)
+  grad = grad.at[(0,) * len(shape)].set(0)
+  expected = fused_step.lowbit_adamw_update(grad, moments, count=jnp.int32(2), implementation="xla", **args)
+  actual = fused_step.lowbit_adamw_update(grad, moments, count=jnp.int32(2), implementation="interpret", **args)
+  message = f"{state_format} seed={seed}"
+  direction, new_moments = actual
+  assert direction.shape == grad.shape and direction.dtype == grad.dtype, message
+  for name, got, want in zip(fused_step.LowbitMoments._fields, new_moments, expected[1]):
+    assert (got is None) == (want is None), f"{name} {message}"
+    if want is not None:
+      assert got.shape == want.shape and got.dtype == want.dtype, f"{name} {message}"
+      np.testing.assert_array_equal(bitwise(got), bitwise(want), err_msg=f"{name} {message}")
+  # The kernel's square root is x * rsqrt(x): a few float32 ulps.
+  np.testing.assert_allclose(
+      np.asarray(direction, np.float32), np.asarray(expected[0], np.float32),
+      rtol=4 * float(jnp.finfo(dtype).eps), atol=1e-6, err_msg=message,
+  )
+
+
+def test_kernel_needs_blocks_of_whole_rows():
+  grad = jnp.ones((2, 96))
+  moments = fused_step.zero_moments(grad.shape, state_format="8bit", block_size=96)
+  with pytest.raises(ValueError, match=r"^block_size must be a multiple of 128"):
+    fused_step.lowbit_adamw_update(
+        grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="8bit", block_size=96,
+        implementation="interpret",
+    )
+
+
+def test_moments_of_another_layout_are_refused_naming_the_field():
+  grad = jnp.ones((4, 256))
+  moments = fused_step.zero_moments((4, 128), state_format="fp8", block_size=128)
+  with pytest.raises(ValueError, match=r"^moments.mu must be float8_e4m3fn\[4, 256\]"):
+    fused_step.lowbit_adamw_update(
+        grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="fp8", block_size=128,
+    )
+
+
+def test_every_format_has_a_lowering_example():
+  names = [example.name for example in fused_step.lowering_examples()]
+  for state_format in fused_step.STATE_FORMATS:
+    assert any(f"_{state_format}_" in name for name in names), names
