@@ -33,6 +33,7 @@ def test_none_takes_xla_off_hopper_and_the_tables_choice_on_it(monkeypatch):
       "microadam_update": "xla",
       "column_select": "pallas",
       "ternary_adam_update": "xla",
+      "lowbit_adamw_update": "xla",
   }
 
 

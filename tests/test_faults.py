@@ -223,6 +223,9 @@ REFUSED_AT_INIT = {
     "microadam": {"int32", "complex64"},
     "taco": {"int32", "complex64"},
     "ternary_adam": {"int32", "complex64"},
+    "adamw_8bit": {"int32", "complex64"},
+    "adamw_4bit": {"int32", "complex64"},
+    "adamw_fp8": {"int32", "complex64"},
 }
 # Leaves every optimizer handles as optax.adamw does.
 ALWAYS_HANDLED = {"scalar", "zero_size_matrix", "zero_size_vector", "none", "masked_node"}

@@ -27,10 +27,6 @@ F32_TINY = np.finfo(np.float32).tiny
 F32_EPS = np.finfo(np.float32).eps
 
 
-def fresh_seed() -> int:
-  return int(np.random.SeedSequence().entropy % 2**32)
-
-
 def bf16_outward(value: np.float32, *, upward: bool) -> np.float32:
   """The nearest bfloat16 at or above (or below) ``value``, from round-to-nearest."""
   nearest = np.asarray(value, np.float32).astype(jnp.bfloat16)
@@ -111,8 +107,7 @@ def close_within_rounding(actual, expected, dtype, message: str):
 
 
 @pytest.mark.parametrize("shape,dtype,bits,bucket_size,stats_dtype,out_dtype", KERNEL_CASES)
-def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtype, out_dtype):
-  seed = fresh_seed()
+def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtype, out_dtype, seed):
   message = f"seed={seed}"
   x = draw_input(shape, dtype, bucket_size, seed)
   y = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(shape), dtype)
@@ -149,10 +144,9 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
 
 
 @pytest.mark.parametrize("bits", qz.SUPPORTED_BITS)
-def test_codes_follow_the_planar_byte_order(bits):
+def test_codes_follow_the_planar_byte_order(bits, seed):
   """Byte j of a full row holds codes j and j + 128 (4-bit), or code j (8-bit);
   a short last row of r codes pairs j with j + ceil(r / 2)."""
-  seed = fresh_seed()
   tail = 37
   size = 2 * 256 + tail
   x = jnp.asarray(np.random.default_rng(seed).standard_normal(size), jnp.float32)
@@ -191,8 +185,7 @@ def test_round_trip_within_half_a_step(x, bits, bucket_size, stats_dtype):
 
 @pytest.mark.parametrize("stats_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("bits", qz.SUPPORTED_BITS)
-def test_constant_buckets_decode_exactly(bits, stats_dtype):
-  seed = fresh_seed()
+def test_constant_buckets_decode_exactly(bits, stats_dtype, seed):
   rng = np.random.default_rng(seed)
   values = rng.normal(size=3).astype(np.float32)
   if stats_dtype == jnp.bfloat16:
@@ -205,8 +198,7 @@ def test_constant_buckets_decode_exactly(bits, stats_dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_dequantize_add_is_y_plus_dequantize(dtype):
-  seed = fresh_seed()
+def test_dequantize_add_is_y_plus_dequantize(dtype, seed):
   rng = np.random.default_rng(seed)
   shape = (5, 77)
   x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -219,8 +211,7 @@ def test_dequantize_add_is_y_plus_dequantize(dtype):
   np.testing.assert_array_equal(summed, expected, err_msg=f"seed={seed}")
 
 
-def test_quantize_under_jit_equals_eager():
-  seed = fresh_seed()
+def test_quantize_under_jit_equals_eager(seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal((3, 300)), jnp.bfloat16)
   quantize = lambda x: qz.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
   chex.assert_trees_all_equal(jax.jit(quantize)(x), quantize(x))
