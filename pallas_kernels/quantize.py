@@ -205,7 +205,41 @@ def _packing_args(bits: int) -> dict[str, int]:
   return {"base": 2**bits, "planes": 8 // bits}
 
 
-# -- XLA (the reference) ------------------------------------------------------
+# -- The reference: the formula, element by element ---------------------------
+
+
+def quantize_reference(
+    x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: Any = jnp.float32
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The module docstring's formula in plain jnp: ``(codes, minimum, maximum)``.
+
+  ``codes`` is one uint8 per element of flattened ``x`` (not packed),
+  ``minimum`` and ``maximum`` one float32 per bucket, rounded outward to
+  ``stats_dtype``. :func:`quantize` returns the same codes, packed.
+  """
+  flat = x.reshape(-1).astype(jnp.float32)
+  n_buckets = num_buckets(flat.size, bucket_size)
+  bucket_of = jnp.arange(flat.size) // bucket_size
+  minimum = jax.ops.segment_min(flat, bucket_of, n_buckets)
+  maximum = jax.ops.segment_max(flat, bucket_of, n_buckets)
+  minimum = _round_outward(minimum, np.dtype(stats_dtype), upward=False)
+  maximum = _round_outward(maximum, np.dtype(stats_dtype), upward=True)
+  inverse_step = _inverse_step(_step(minimum, maximum, bits))
+  codes = _encode(flat, minimum[bucket_of], inverse_step[bucket_of], bits)
+  return codes.astype(jnp.uint8), minimum, maximum
+
+
+def dequantize_reference(
+    codes: jax.Array, minimum: jax.Array, maximum: jax.Array, *, bits: int, bucket_size: int
+) -> jax.Array:
+  """``min + q * s`` per element, from unpacked ``codes`` and per-bucket statistics (float32)."""
+  bucket_of = jnp.arange(codes.size) // bucket_size
+  minimum = minimum.astype(jnp.float32)
+  step = _step(minimum, maximum.astype(jnp.float32), bits)
+  return _decode(codes, minimum[bucket_of], step[bucket_of])
+
+
+# -- XLA: the formula on packed rows ------------------------------------------
 
 
 def _row_planes(

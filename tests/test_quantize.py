@@ -124,12 +124,23 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
     np.testing.assert_array_equal(getattr(kernel, field), getattr(reference, field), err_msg=f"{field} {message}")
 
   codes, minimum, maximum = numpy_quantize(x, bits, bucket_size, stats_dtype)
+  # The module's plain reference states the same formula, unpacked.
+  for actual, expected in zip(
+      qz.quantize_reference(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype),
+      (codes, minimum, maximum),
+      strict=True,
+  ):
+    np.testing.assert_array_equal(actual, expected, err_msg=message)
   np.testing.assert_array_equal(reference.minimum.astype(jnp.float32), minimum, err_msg=message)
   np.testing.assert_array_equal(reference.maximum.astype(jnp.float32), maximum, err_msg=message)
   expected_bytes = packing.pack(jnp.asarray(codes), base=2**bits, planes=8 // bits)
   np.testing.assert_array_equal(reference.codes, expected_bytes, err_msg=message)
 
   decoded = qz.dequantize(reference, size=size, dtype=out_dtype, implementation="xla", **kwargs)
+  close_within_rounding(
+      decoded, qz.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
+      out_dtype, message,
+  )
   decoded_kernel = qz.dequantize(reference, size=size, dtype=out_dtype, implementation="interpret", **kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes(decoded_kernel, decoded)
   close_within_rounding(decoded_kernel, decoded, out_dtype, message)
