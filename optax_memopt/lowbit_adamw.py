@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import hyperparameters, leaves, sharding
+from optax_memopt import _xla_cpu, hyperparameters, leaves, sharding
 
 from pallas_kernels import dispatch
 from pallas_kernels import lowbit_adamw_update as fused_step
@@ -177,7 +177,7 @@ def scale_by_lowbit_adam(
 
     def update_leaf(grad, mu, nu, mu_scales, nu_scales):
       if quantized(grad):
-        return fused_step.lowbit_adamw_update(
+        direction, moments = fused_step.lowbit_adamw_update(
             grad,
             fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales),
             count=count,
@@ -188,17 +188,14 @@ def scale_by_lowbit_adam(
             block_size=block_size,
             implementation=implementation,
         )
+        return direction, *moments
       mu, nu = fused_step.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
       direction = fused_step.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
-      return direction.astype(grad.dtype), fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales)
+      return direction.astype(grad.dtype), mu, nu, mu_scales, nu_scales
 
-    grads, treedef = jax.tree.flatten(updates)
-    fields = [treedef.flatten_up_to(tree) for tree in state[1:]]
-    per_leaf = [update_leaf(*args) for args in zip(grads, *fields)]
-    directions = [direction for direction, _ in per_leaf]
-    moments = zip(*(moments for _, moments in per_leaf)) if per_leaf else [()] * 4
-    new_state = ScaleByLowbitAdamState(count, *(treedef.unflatten(m) for m in moments))
-    return treedef.unflatten(directions), new_state
+    per_leaf = _xla_cpu.tree_map(update_leaf, updates, *state[1:])
+    directions, *moments = leaves.unzip(updates, per_leaf, 5)
+    return directions, ScaleByLowbitAdamState(count, *moments)
 
   # Reshapes into blocks split sharded axes: under explicit mesh axes the
   # update runs with them left to the partitioner, typed like its inputs.

@@ -81,7 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_memopt import hyperparameters, leaves, sharding
+from optax_memopt import _xla_cpu, hyperparameters, leaves, sharding
 from optax_memopt.ternary_adam_state import (
     FactoredSecondMoment,
     ScaleByTernaryAdamState,
@@ -299,7 +299,7 @@ def scale_by_ternary_adam(
       step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), **options)
       return step.direction, *step.momentum, mu, row, col, nu
 
-    per_leaf = jax.tree.map(
+    per_leaf = _xla_cpu.tree_map(
         update_leaf, updates, seeds, state.mu.packed, state.mu.scales, state.mu.dense,
         state.nu.row, state.nu.col, state.nu.dense,
     )

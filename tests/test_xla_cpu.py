@@ -1,0 +1,55 @@
+"""The one XLA:CPU scheduling aid: one leaf after another, values unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optax_memopt import _xla_cpu
+
+
+def step(g, m):
+  """A leaf's (direction, state) with every kind of value the chain passes through."""
+  m = 0.5 * m + g
+  return jnp.sign(m) * jnp.abs(g), m, (m > 0).astype(jnp.uint8)
+
+
+def trees(seed):
+  rng = np.random.default_rng(seed)
+  g = {
+      "a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+      "b": [jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16), jnp.asarray([-0.0, np.nan, np.inf], jnp.float32)],
+      "c": jnp.zeros((0, 4), jnp.float32),
+  }
+  m = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), g)
+  return g, m
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_equals_tree_map_bit_for_bit(monkeypatch, backend, seed):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  g, m = trees(seed)
+  expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
+  actual = jax.jit(lambda g, m: _xla_cpu.tree_map(step, g, m))(g, m)
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=f"seed={seed}")
+    assert a.dtype == e.dtype
+
+
+def test_each_leaf_waits_for_the_previous_leafs_state_on_cpu_only(monkeypatch):
+  g, m = trees(0)
+  hlo = lambda: jax.jit(lambda g, m: _xla_cpu.tree_map(step, g, m)).lower(g, m).as_text()
+  chained = hlo()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  independent = hlo()
+  # The waits are subtractions of a zero computed from the previous state.
+  assert chained.count("subtract") > independent.count("subtract")
+
+
+def test_with_path_passes_each_leafs_key_path():
+  g, m = trees(0)
+  names = _xla_cpu.tree_map(lambda path, g, m: (jax.tree_util.keystr(path), g), g, m, with_path=True)
+  assert [n for n, _ in jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))] == [
+      "['a']", "['b'][0]", "['b'][1]", "['c']"
+  ]
