@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _backend, dispatch
 from pallas_kernels import lowbit_adamw_update as fused_step
 
 pytestmark = pytest.mark.kernels
@@ -80,3 +81,29 @@ def test_every_format_has_a_lowering_example():
   names = [example.name for example in fused_step.lowering_examples()]
   for state_format in fused_step.STATE_FORMATS:
     assert any(f"_{state_format}_" in name for name in names), names
+
+
+def lowered_step(block_size: int) -> str:
+  """The fused step for a (4, 256) gradient, lowered for CUDA with ``implementation=None``."""
+  grad = jnp.ones((4, 256), jnp.float32)
+  moments = fused_step.zero_moments(grad.shape, state_format="8bit", block_size=block_size)
+
+  def step(grad, moments):
+    return fused_step.lowbit_adamw_update(
+        grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="8bit", block_size=block_size
+    )
+
+  return _backend.lower_for_cuda(step, grad, moments)
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "lowbit_adamw_update", kernel_faster)
+  assert ("mosaic_gpu" in lowered_step(128)) == kernel_faster
+
+
+def test_auto_off_hopper_runs_xla(monkeypatch):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "lowbit_adamw_update", True)
+  assert "mosaic_gpu" not in lowered_step(128)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import packing
+from pallas_kernels import _backend, dispatch, packing
 from pallas_kernels import quantize as qz
 
 pytestmark = pytest.mark.kernels
@@ -416,3 +416,22 @@ def test_map_codes_of_every_entry_decode_to_the_entry(code):
 def test_invalid_map_arguments_raise_naming_them(call, argument):
   with pytest.raises(ValueError, match=rf"^{argument} "):
     call()
+
+
+def lowered_quantize() -> str:
+  """``quantize`` of 1024 elements in buckets of 256, lowered for CUDA with ``implementation=None``."""
+  quantize = functools.partial(qz.quantize, bits=4, bucket_size=256)
+  return _backend.lower_for_cuda(quantize, jax.ShapeDtypeStruct((1024,), jnp.float32))
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", kernel_faster)
+  assert ("mosaic_gpu" in lowered_quantize()) == kernel_faster
+
+
+def test_auto_off_hopper_runs_xla(monkeypatch):
+  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", True)
+  assert "mosaic_gpu" not in lowered_quantize()
