@@ -34,8 +34,8 @@ DEFAULT_OPTIMIZER = "microadam"
 # optimizer on this model and batch (benchmarks/README.md), plus compiling.
 DEFAULT_RUN_TIME = (
     "On 2 CPU cores the defaults take about 1.5 minutes for one run (4000 steps of\n"
-    "14-21 ms, plus compiling), and about 11 minutes for --compare with no names\n"
-    "when it trained 8 optimizers (1-1.5 minutes for each). For a first look:\n"
+    "14-21 ms, plus compiling), and about as long per optimizer for --compare with\n"
+    f"no names ({len(optimizers.OPTIMIZERS)} optimizers, about {round(1.5 * len(optimizers.OPTIMIZERS))} minutes). For a first look:\n"
     "  python -m optax_memopt --compare adamw microadam --model-size tiny --steps 300"
 )
 
