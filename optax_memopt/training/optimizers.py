@@ -11,7 +11,7 @@ scale (TACO's is a signed, dimension-normalized step, not Adam's).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import optax
 
@@ -28,6 +28,13 @@ class OptimizerSpec:
   default_learning_rate: float
   summary: str
   has_kernels: bool = False
+
+
+def _with_kernels(alias: Callable[..., optax.GradientTransformation], **options) -> Callable[..., Any]:
+  """``build`` for one of our aliases that takes ``implementation=``, with the shared weight decay."""
+  return lambda lr, config, implementation=None: alias(
+      lr, weight_decay=WEIGHT_DECAY, implementation=implementation, **options
+  )
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -49,9 +56,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "optax.adafactor: factored second moment, no first moment",
     ),
     "microadam": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.microadam(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.microadam),
         3e-3,
         "MicroAdam: window of 10 top-1% sparse gradients plus 4-bit error feedback",
         has_kernels=True,
@@ -64,49 +69,37 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "Adam-mini: one second moment per head, neuron or token",
     ),
     "ternary_adam": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.ternary_adam(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.ternary_adam),
         3e-3,
         "ternary-state Adam: base-3 trits with block scales for m, factored v",
         has_kernels=True,
     ),
     "taco": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.taco(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.taco),
         1e-2,
         "TACO: signed argmax per input feature, one fp8 heavy hitter in each of 16 parts of a row; Adam on vectors and embeddings",
         has_kernels=True,
     ),
     "taco_one_segment": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.taco(
-            lr, weight_decay=WEIGHT_DECAY, segments=1, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.taco, segments=1),
         1e-2,
         "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
         has_kernels=True,
     ),
     "adamw_8bit": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.adamw_8bit(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.adamw_8bit),
         3e-3,
         "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
         has_kernels=True,
     ),
     "adamw_4bit": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.adamw_4bit(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.adamw_4bit),
         3e-3,
         "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
         has_kernels=True,
     ),
     "adamw_fp8": OptimizerSpec(
-        lambda lr, config, implementation=None: optax_memopt.adamw_fp8(
-            lr, weight_decay=WEIGHT_DECAY, implementation=implementation
-        ),
+        _with_kernels(optax_memopt.adamw_fp8),
         3e-3,
         "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
         has_kernels=True,
