@@ -99,19 +99,14 @@ class QuantizedArray(NamedTuple):
 # -- validation ---------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_bits(bits: Any) -> None:
-  if not _is_int(bits) or bits not in SUPPORTED_BITS:
+  if static_args.check_int("bits", bits, 4, 8) not in SUPPORTED_BITS:
     raise ValueError(f"bits must be 4 or 8; got {bits!r}.")
 
 
 def _check_bucket_size(bucket_size: Any) -> None:
-  if not _is_int(bucket_size) or not (
-      bucket_size in SMALL_BUCKET_SIZES or (bucket_size > 0 and bucket_size % ROW == 0)
-  ):
+  bucket_size = static_args.check_int("bucket_size", bucket_size, 1)
+  if not (bucket_size in SMALL_BUCKET_SIZES or bucket_size % ROW == 0):
     raise ValueError(
         f"bucket_size must be a positive multiple of {ROW} or one of"
         f" {', '.join(map(str, SMALL_BUCKET_SIZES))}; got {bucket_size!r}."
@@ -119,8 +114,7 @@ def _check_bucket_size(bucket_size: Any) -> None:
 
 
 def _check_size(size: Any) -> None:
-  if not _is_int(size) or size < 0:
-    raise ValueError(f"size must be a non-negative int; got {size!r}.")
+  static_args.check_int("size", size, 0)
 
 
 def _check_dtype(name: str, dtype: Any, allowed: tuple[np.dtype, ...]) -> np.dtype:
