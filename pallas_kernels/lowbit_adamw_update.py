@@ -413,7 +413,7 @@ def _kernel_decode(codes: jax.Array, scale: jax.Array, code: str, table_ref: Any
 
 
 def _kernel_encode(values: jax.Array, scale: jax.Array, code: str, table_ref: Any, zero: jax.Array) -> jax.Array:
-  """Codes of ``values / scale``: :func:`quantize.nearest_map_code` by a scan over the map.
+  """Codes of ``values / scale``: :func:`quantize.nearest_map_code_reference` by a scan over the map.
 
   The last entry ``<= x`` (0 below the first) counts the entries above the
   first that are ``<= x``; the entry above it is the smallest one ``> x``.

@@ -47,7 +47,8 @@ blockwise :func:`map_scales`, :func:`map_encode`, :func:`map_decode` they share 
 low-bit AdamW step): each block of ``block_size`` elements keeps its absmax
 ``s`` (at least ``1e-12``) and each element the index of the entry of a
 sorted map nearest to ``x / s`` (bitsandbytes' dynamic maps, a linear map,
-:data:`CODE_MAPS`), or ``x / (s / 448)`` as float8 e4m3fn. These are XLA
+:data:`CODE_MAPS`), or ``x / (s / 448)`` as float8 e4m3fn; the nearest
+entry costs two table reads per element (:func:`nearest_map_code`). These are XLA
 ops; their GPU kernel is the fused optimizer step
 (``pallas_kernels.lowbit_adamw_update``).
 
@@ -949,18 +950,18 @@ def map_code_bits(code: str) -> int:
   return 8 if code == FLOAT8_CODE else int(CODE_MAPS[code].size).bit_length() - 1
 
 
-def nearest_map_code(values: jax.Array, table: Any) -> jax.Array:
+def nearest_map_code_reference(values: jax.Array, table: Any) -> jax.Array:
   """Index of the entry of the sorted ``table`` nearest to each of ``values``.
 
   The reference's branchless binary search, then its rounding: ``code`` is
   the last entry ``<= x`` (0 below the first), then ``code + 1`` when
   ``x - table[code] >= (table[code + 1] - table[code]) * 0.5``. Ties go up,
   and the comparison is made in float32 as written, so the codes are those
-  of bitsandbytes and torchao bit for bit. Returns int32 codes.
+  of bitsandbytes and torchao bit for bit. NaN gets 0. Returns int32 codes.
   """
   table = jnp.asarray(table, jnp.float32)
   size = table.shape[0]
-  code = jnp.zeros(values.shape, jnp.int32)
+  code = jnp.zeros(jnp.shape(values), jnp.int32)
   step = size // 2
   while step:
     code = code + jnp.where(values >= table[code + step], step, 0)
@@ -968,6 +969,81 @@ def nearest_map_code(values: jax.Array, table: Any) -> jax.Array:
   up = jnp.minimum(code + 1, size - 1)
   below, above = table[code], table[up]
   return jnp.where(values - below >= (above - below) * 0.5, up, code)
+
+
+class _BucketLookup(NamedTuple):
+  """:func:`nearest_map_code`'s tables for one map (see there)."""
+
+  shift: int  # float32 bits >> shift = bucket.
+  first_codes: np.ndarray  # uint8, per bucket: the code of its smallest value.
+  next_thresholds: np.ndarray  # float32, per bucket: the smallest value with a higher code.
+
+
+def _ordered(bits: np.ndarray) -> np.ndarray:
+  """float32 bits as int64 in the order of their values (sign-magnitude to two's complement)."""
+  bits = bits.astype(np.int64)
+  return np.where(bits >> 31, -(bits & 0x7FFFFFFF), bits)
+
+
+def _from_ordered(ordered: np.ndarray) -> np.ndarray:
+  return np.where(ordered < 0, -ordered | (1 << 31), ordered).astype(np.uint32).view(np.float32)
+
+
+@functools.cache
+def _bucket_lookup(code: str) -> _BucketLookup:
+  """The smallest bucketing of float32 values under which no bucket holds two code changes.
+
+  ``thresholds[c]`` is the smallest float32 whose code (per
+  :func:`nearest_map_code_reference`) exceeds ``c``, found by bisection over
+  the float32 values between entries ``c`` and ``c + 1`` (codes grow with
+  the value). Buckets are the values sharing their sign, exponent and
+  leading mantissa bits; more mantissa bits until each bucket holds at most
+  one threshold.
+  """
+  table = CODE_MAPS[code]
+  with jax.ensure_compile_time_eval():
+    reference = lambda x: np.asarray(nearest_map_code_reference(jnp.asarray(x, jnp.float32), table))
+    low, high = _ordered(table[:-1].view(np.uint32)), _ordered(table[1:].view(np.uint32))
+    codes = np.arange(table.size - 1)
+    while np.any(high - low > 1):  # Invariant: code(low) <= c < code(high).
+      middle = (low + high) // 2
+      above = reference(_from_ordered(middle)) > codes
+      high, low = np.where(above, middle, high), np.where(above, low, middle)
+  thresholds = np.append(_from_ordered(high), np.float32(np.inf))
+  for mantissa_bits in range(24):
+    shift = 23 - mantissa_bits
+    starts = np.arange(2 ** (9 + mantissa_bits), dtype=np.uint64) << np.uint64(shift)
+    ends = starts + np.uint64((1 << shift) - 1)
+    negative = starts >= 2**31
+    smallest = np.where(negative, ends, starts).astype(np.uint32).view(np.float32)
+    largest = np.where(negative, starts, ends).astype(np.uint32).view(np.float32)
+    first = np.searchsorted(thresholds, smallest, side="right")
+    first = np.where(np.isnan(smallest), 0, np.minimum(first, table.size - 1))
+    if np.all(np.isnan(largest) | (thresholds[np.minimum(first + 1, table.size - 1)] > largest)):
+      return _BucketLookup(shift, first.astype(np.uint8), thresholds[first])
+  raise AssertionError(f"no bucketing separates the thresholds of {code}")
+
+
+def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
+  """:func:`nearest_map_code_reference` for a map of :data:`CODE_MAPS`, by two table reads.
+
+  The codes grow with the value, so each code change is a threshold, and
+  values with the same sign, exponent and leading mantissa bits (a bucket,
+  read off the float32 bits) span at most one threshold
+  (:func:`_bucket_lookup`). The code is the bucket's first code, plus one
+  at or above the bucket's next threshold: equal to the reference's for
+  every float32 (tests compare at every threshold and its neighbours),
+  for two table reads instead of a binary search's ``log2(size) + 2``.
+  Returns int32 codes.
+  """
+  table = CODE_MAPS[code]
+  lookup = _bucket_lookup(code)
+  # Outside the map the code is its first or last entry's; NaN stays NaN (code 0).
+  values = jnp.clip(values, table[0], table[-1])
+  bucket = lax.shift_right_logical(lax.bitcast_convert_type(values, jnp.uint32), jnp.uint32(lookup.shift))
+  bucket = bucket.astype(jnp.int32)
+  first = jnp.asarray(lookup.first_codes)[bucket].astype(jnp.int32)
+  return first + (values >= jnp.asarray(lookup.next_thresholds)[bucket]).astype(jnp.int32)
 
 
 def _divide(x: jax.Array, divisor: Any) -> jax.Array:
@@ -1003,7 +1079,7 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   ratios = _divide(values, scales)
   if code == FLOAT8_CODE:
     return ratios.astype(jnp.float8_e4m3fn)
-  return nearest_map_code(ratios, CODE_MAPS[code]).astype(jnp.uint8)
+  return nearest_map_code(ratios, code).astype(jnp.uint8)
 
 
 def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
@@ -1032,7 +1108,7 @@ def map_quantize(x: jax.Array, *, code: str, block_size: int) -> MapQuantized:
     q_i = \arg\min_j |\mathrm{map}_j - x_i / s_b|, \qquad
     \hat{x}_i = \mathrm{map}_{q_i} s_b,
 
-  with the reference's tie-breaking (:func:`nearest_map_code`). For
+  with the reference's tie-breaking (:func:`nearest_map_code_reference`). For
   ``code="float8_e4m3fn"``: ``s_b`` divided by 448 and ``q_i = e4m3(x_i /
   s_b)``. The last block may be shorter. An XLA (jnp) op: the GPU kernel
   that uses these codes is the fused optimizer step

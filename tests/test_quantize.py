@@ -343,6 +343,43 @@ def nearest_entry_distance(ratios: np.ndarray, table: np.ndarray) -> np.ndarray:
   return np.abs(ratios[:, None].astype(np.float64) - table[None, :].astype(np.float64)).min(axis=1)
 
 
+def numpy_nearest_code(x: np.ndarray, table: np.ndarray) -> np.ndarray:
+  """torchao's rounding, written out in numpy float32: the last entry <= x, then one up when
+  x - entry >= (next - entry) * 0.5 (float32 arithmetic, NaN to 0)."""
+  x = np.asarray(x, np.float32)
+  with np.errstate(invalid="ignore"):
+    below_count = (x[:, None] >= table[None, :]).sum(axis=1)
+    code = np.maximum(below_count - 1, 0)
+    up = np.minimum(code + 1, table.size - 1)
+    gap = (table[up] - table[code]) * np.float32(0.5)
+    return np.where((x - table[code]).astype(np.float32) >= gap, up, code)
+
+
+def float32_neighbourhood(points: np.ndarray, ulps: int) -> np.ndarray:
+  """Every float32 within ``ulps`` steps of each of ``points``."""
+  bits = np.asarray(points, np.float32).view(np.int32).astype(np.int64)
+  steps = np.arange(-ulps, ulps + 1)
+  return (bits[:, None] + steps[None, :]).reshape(-1).astype(np.int32).view(np.float32)
+
+
+@pytest.mark.parametrize("code", list(qz.CODE_MAPS))
+def test_nearest_map_code_is_the_references_rounding_at_every_code_change(code, seed):
+  table = qz.CODE_MAPS[code]
+  # Codes change at the midpoints of neighbouring entries, up to float32 rounding:
+  # every float32 a few steps either side of each, of each entry, and random values.
+  midpoints = ((table[:-1].astype(np.float64) + table[1:]) / 2).astype(np.float32)
+  rng = np.random.default_rng(seed)
+  special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, -1e-45], np.float32)
+  x = np.concatenate([
+      float32_neighbourhood(midpoints, 8), float32_neighbourhood(table, 2), special,
+      rng.uniform(-1.5, 1.5, 4096).astype(np.float32),
+      (rng.standard_normal(4096) * 10.0 ** rng.uniform(-9, 0, 4096)).astype(np.float32),
+  ])
+  expected = numpy_nearest_code(x, table)
+  np.testing.assert_array_equal(jax.jit(qz.nearest_map_code, static_argnums=1)(x, code), expected)
+  np.testing.assert_array_equal(jax.jit(qz.nearest_map_code_reference)(x, table), expected)
+
+
 @functools.partial(jax.jit, static_argnames=("code", "block_size"))
 def map_round_trip(x, *, code, block_size):
   q = qz.map_quantize(x, code=code, block_size=block_size)
