@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import _xla_cpu, hyperparameters, leaves, sharding
+from optax_memopt import hyperparameters, leaves, sharding
 
 from pallas_kernels import dispatch
 from pallas_kernels import lowbit_adamw_update as fused_step
+from pallas_kernels import xla_cpu
 
 _ALIASES = {"8bit": "adamw_8bit", "4bit": "adamw_4bit", "fp8": "adamw_fp8"}
 
@@ -193,7 +194,7 @@ def scale_by_lowbit_adam(
       direction = fused_step.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
       return direction.astype(grad.dtype), mu, nu, mu_scales, nu_scales
 
-    per_leaf = _xla_cpu.tree_map(update_leaf, updates, *state[1:])
+    per_leaf = xla_cpu.tree_map(update_leaf, updates, *state[1:])
     directions, *moments = leaves.unzip(updates, per_leaf, 5)
     return directions, ScaleByLowbitAdamState(count, *moments)
 

@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_memopt import _xla_cpu, hyperparameters, leaves, sharding
+from optax_memopt import hyperparameters, leaves, sharding
 
 from pallas_kernels import dispatch, static_args
 from pallas_kernels.column_select import column_select
@@ -397,8 +397,8 @@ def scale_by_taco(
 
   def update_fn(updates, state, params=None):
     del params
-    steps = _xla_cpu.tree_map(
-        update_leaf, updates, state.index, state.momentum, state.scale, with_path=True
+    steps = jax.tree_util.tree_map_with_path(
+        update_leaf, updates, state.index, state.momentum, state.scale
     )
     directions, index, momentum, scale = leaves.unzip(updates, steps, 4)
     return directions, ScaleByTacoState(

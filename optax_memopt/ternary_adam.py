@@ -81,7 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_memopt import _xla_cpu, hyperparameters, leaves, sharding
+from optax_memopt import hyperparameters, leaves, sharding
 from optax_memopt.ternary_adam_state import (
     FactoredSecondMoment,
     ScaleByTernaryAdamState,
@@ -93,6 +93,7 @@ from optax_memopt.ternary_adam_state import (
 
 from pallas_kernels import dispatch
 from pallas_kernels import ternary
+from pallas_kernels import xla_cpu
 from pallas_kernels.ternary_adam_update import ternary_adam_update
 
 __all__ = [
@@ -299,7 +300,7 @@ def scale_by_ternary_adam(
       step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), **options)
       return step.direction, *step.momentum, mu, row, col, nu
 
-    per_leaf = _xla_cpu.tree_map(
+    per_leaf = xla_cpu.tree_map(
         update_leaf, updates, seeds, state.mu.packed, state.mu.scales, state.mu.dense,
         state.nu.row, state.nu.col, state.nu.dense,
     )

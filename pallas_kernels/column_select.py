@@ -65,6 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
 from pallas_kernels import static_args
+from pallas_kernels import xla_cpu
 from pallas_kernels.topk import magnitude_key
 
 # Threads of a Mosaic GPU warpgroup: a segment is a whole multiple of them.
@@ -113,18 +114,28 @@ def column_select_reference(
 
 
 def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
-  """The reference, with ``keep = 1`` taken by two reductions instead of a top-k."""
+  """The reference, with ``keep = 1`` taken by two reductions instead of a top-k.
+
+  The largest magnitude key, then the lowest column holding it
+  (``xla_cpu.reduce_row``); the value there is read from ``grads`` plus the
+  tracked offset rather than from ``u``, which keeps ``u`` a value XLA
+  recomputes inside each reduction instead of writing it out.
+  """
   if keep > 1 or tracked_index.shape[-1] > 1:
     return column_select_reference(grads, tracked_index, tracked_offset, keep=keep)
   width = grads.shape[-1]
   position = jnp.arange(width, dtype=jnp.int32)
   u = grads.astype(jnp.float32)
+  offset = jnp.zeros(grads.shape[:-1] + (1,), jnp.float32)
   if tracked_index.shape[-1] == 1:
     u = jnp.where(position == tracked_index, u + tracked_offset, u)
+    offset = tracked_offset.astype(jnp.float32)
   keys = magnitude_key(u)
-  largest = jnp.max(keys, axis=-1, keepdims=True)
-  index = jnp.min(jnp.where(keys == largest, position, width), axis=-1, keepdims=True)
-  return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
+  largest = xla_cpu.reduce_row(keys, jnp.max, jnp.maximum)
+  index = xla_cpu.reduce_row(jnp.where(keys == largest, position, width), jnp.min, jnp.minimum)
+  # -0.0 where the column is not the tracked one leaves every float as it is.
+  offset = jnp.where(index == tracked_index, offset, -0.0) if tracked_index.shape[-1] else -0.0
+  return ColumnSelection(index, jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1) + offset)
 
 
 def _strided_layout(dtype: Any, segment_width: int) -> Any:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_memopt import _xla_cpu
+from pallas_kernels import xla_cpu
 
 
 def step(g, m):
@@ -30,7 +30,7 @@ def test_equals_tree_map_bit_for_bit(monkeypatch, backend, seed):
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
   g, m = trees(seed)
   expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
-  actual = jax.jit(lambda g, m: _xla_cpu.tree_map(step, g, m))(g, m)
+  actual = jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m))(g, m)
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=f"seed={seed}")
@@ -39,7 +39,7 @@ def test_equals_tree_map_bit_for_bit(monkeypatch, backend, seed):
 
 def test_each_leaf_waits_for_the_previous_leafs_state_on_cpu_only(monkeypatch):
   g, m = trees(0)
-  hlo = lambda: jax.jit(lambda g, m: _xla_cpu.tree_map(step, g, m)).lower(g, m).as_text()
+  hlo = lambda: jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m)).lower(g, m).as_text()
   chained = hlo()
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   independent = hlo()
@@ -47,9 +47,20 @@ def test_each_leaf_waits_for_the_previous_leafs_state_on_cpu_only(monkeypatch):
   assert chained.count("subtract") > independent.count("subtract")
 
 
-def test_with_path_passes_each_leafs_key_path():
-  g, m = trees(0)
-  names = _xla_cpu.tree_map(lambda path, g, m: (jax.tree_util.keystr(path), g), g, m, with_path=True)
-  assert [n for n, _ in jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))] == [
-      "['a']", "['b'][0]", "['b'][1]", "['c']"
-  ]
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_written_out_is_the_value(monkeypatch, backend, seed):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=(4, 6)), jnp.float32).at[0, 0].set(-0.0)
+  for value in (x, x[:0], x.astype(jnp.bfloat16)):
+    got = jax.jit(lambda v: xla_cpu.written_out(v * 2))(value)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(value * 2).view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("width", [1, 7, 32, 48, 64, 96, 1000, 1024])
+@pytest.mark.parametrize("reduce,combine", [(jnp.max, jnp.maximum), (jnp.min, jnp.minimum)])
+def test_reduce_row_is_the_reduction(monkeypatch, backend, width, reduce, combine, seed):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  x = jnp.asarray(np.random.default_rng(seed).integers(-1000, 1000, size=(3, 2, width)), jnp.int32)
+  got = jax.jit(lambda v: xla_cpu.reduce_row(v, reduce, combine))(x)
+  np.testing.assert_array_equal(got, np.asarray(reduce(np.asarray(x), axis=-1, keepdims=True)))

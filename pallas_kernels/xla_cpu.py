@@ -1,6 +1,10 @@
-"""One leaf after another on XLA:CPU: the one scheduling aid the optimizers keep.
+"""The scheduling aids XLA:CPU needs, each the plain computation on other backends.
 
-XLA:CPU schedules independent work stage by stage (every leaf's first
+Values are never changed; only where XLA:CPU computes them. Each aid is
+kept because it buys a measured share of an optimizer's CPU step
+(``docs/performance-notes.md``).
+
+:func:`tree_map`, one leaf after another. XLA:CPU schedules independent work stage by stage (every leaf's first
 fusion, then every leaf's second, ...), so every leaf's temporaries (a
 decoded moment, a top-k's input, a re-encoded block) are live at once. For
 a compressed optimizer that is tens to hundreds of MB at 10M-40M
@@ -11,6 +15,12 @@ each leaf's step wait for the previous leaf's state, so the buffer holds one
 leaf's temporaries. Values are unchanged. On other backends it is
 ``jax.tree.map``: temporaries come from a pool there, and the wait would
 cost a small kernel per leaf.
+
+:func:`written_out` and :func:`reduce_row`, for ops' XLA paths. XLA fuses a
+cheap elementwise producer into each of its consumers and recomputes it
+there, and XLA:CPU fuses a row reduction with its input's computation only
+over at most ``FUSED_REDUCTION`` entries (a wider one first writes the
+whole input out).
 """
 
 from __future__ import annotations
@@ -22,9 +32,49 @@ import jax.numpy as jnp
 from jax import lax
 
 
+# The widest row reduction XLA:CPU fuses with the computation of its input.
+FUSED_REDUCTION = 32
+
+
+def _on_xla_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
 def _written_out(x: jax.Array) -> jax.Array:
   """``x``, written to a buffer of its own: rewriting an element in place stops XLA from fusing it into every reader."""
-  return lax.dynamic_update_slice(x, x[:1], (0,))
+  if x.size == 0:
+    return x
+  flat = x.reshape(-1)
+  return lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
+
+
+def written_out(x: jax.Array) -> jax.Array:
+  """``x``; on XLA:CPU computed once into a buffer that all its readers share.
+
+  For a value two loops read (a quantizer's statistics, then its codes),
+  which XLA:CPU would otherwise compute twice, the second time inside a loop
+  that may not vectorize. (``lax.optimization_barrier`` does not do this:
+  XLA:CPU removes barriers before fusing.)
+  """
+  return _written_out(x) if _on_xla_cpu() else x
+
+
+def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable[..., jax.Array]) -> jax.Array:
+  """``reduce(x, axis=-1, keepdims=True)``; on XLA:CPU in steps it fuses with ``x``'s computation.
+
+  An even row is first folded in halves by the elementwise ``combine`` (the
+  binary form of ``reduce``, e.g. ``jnp.maximum`` for ``jnp.max``) down to
+  ``FUSED_REDUCTION`` entries; a row still wider reduces in chunks of the
+  widest divisor up to that, then across chunks.
+  """
+  if not _on_xla_cpu():
+    return reduce(x, axis=-1, keepdims=True)
+  while x.shape[-1] % 2 == 0 and x.shape[-1] > FUSED_REDUCTION:
+    half = x.shape[-1] // 2
+    x = combine(x[..., :half], x[..., half:])
+  *rows, width = x.shape
+  chunk = max(d for d in range(1, min(width, FUSED_REDUCTION) + 1) if width % d == 0)
+  return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
 
 
 def _zero_after(values: Any) -> jax.Array:
@@ -52,12 +102,7 @@ def _after(x: Any, token: jax.Array) -> Any:
   return x - token.astype(x.dtype)
 
 
-def tree_map(
-    step: Callable[..., tuple[Any, ...]],
-    tree: Any,
-    *rest: Any,
-    with_path: bool = False,
-) -> Any:
+def tree_map(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any:
   """``jax.tree.map(step, tree, *rest)``; on XLA:CPU one leaf after another.
 
   Args:
@@ -65,19 +110,17 @@ def tree_map(
       leaf waits for the state; the direction is left for XLA to fuse into
       its one consumer, the parameters' update.
     tree: the gradients; ``rest`` trees with ``tree``'s structure as a prefix.
-    with_path: pass each leaf's key path as ``step``'s first argument, as
-      ``jax.tree_util.tree_map_with_path`` does.
 
   Returns:
     A tree like ``tree`` of ``step``'s results.
   """
-  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  columns = [[leaf for _, leaf in paths_and_leaves]] + [treedef.flatten_up_to(r) for r in rest]
-  one_after_another = jax.default_backend() == "cpu"
+  leaves, treedef = jax.tree.flatten(tree)
+  columns = [leaves] + [treedef.flatten_up_to(r) for r in rest]
+  one_after_another = _on_xla_cpu()
   results = []
-  for (path, _), args in zip(paths_and_leaves, zip(*columns)):
+  for args in zip(*columns):
     if one_after_another and results:
       token = _zero_after(results[-1][1:])
       args = [jax.tree.map(lambda x: _after(x, token), arg) for arg in args]
-    results.append(step(path, *args) if with_path else step(*args))
+    results.append(step(*args))
   return treedef.unflatten(results)
