@@ -1067,7 +1067,7 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
 
   ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``.
   """
-  scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), MAP_ZERO_BLOCK_SCALE)
+  scales = jnp.maximum(xla_cpu.reduce_row(jnp.abs(blocks), jnp.max, jnp.maximum), MAP_ZERO_BLOCK_SCALE)
   return _divide(scales, FLOAT8_MAX) if code == FLOAT8_CODE else scales
 
 
