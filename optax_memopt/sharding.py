@@ -92,6 +92,23 @@ def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
   )
 
 
+def _flat_blocks(leaf_shape: tuple, shape: tuple, first_axis_spec: Any, mesh: Mesh) -> bool:
+  """Whether a leaf is ``(blocks, 1)``, one value per block of the flattened parameter, that can split as its first axis.
+
+  Low-bit AdamW's scales where blocks cross rows. The shards of a
+  parameter's first axis are contiguous runs of its flattened elements, so
+  its blocks split with them, as the partitioner splits an update's output.
+  """
+  first = _mesh_axes(first_axis_spec)
+  return (
+      len(shape) >= 2
+      and len(leaf_shape) == 2
+      and leaf_shape[1] == 1
+      and bool(first)
+      and leaf_shape[0] % _shard_count(first, mesh) == 0
+  )
+
+
 def _mesh_axes(entry: Any) -> tuple[str, ...]:
   return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
@@ -142,6 +159,9 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;
+  * one value per block of the flattened parameter, ``(blocks, 1)`` (low-bit
+    AdamW's scales where blocks cross rows): split as the parameter's first
+    axis, whose shards are contiguous runs of the flattened parameter;
   * no axis in common (flat packed codes, rings of sparse entries): cut by
     :func:`split_spec` over the whole mesh.
 
@@ -209,6 +229,8 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return NamedSharding(
           mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
       )
+    if _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
+      return NamedSharding(mesh, PartitionSpec(spec[0], None))
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
   return jax.tree.map(place, state, state_owners)
