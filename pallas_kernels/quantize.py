@@ -958,18 +958,21 @@ def nearest_map_code_reference(values: jax.Array, table: Any) -> jax.Array:
   the last entry ``<= x`` (0 below the first), then ``code + 1`` when
   ``x - table[code] >= (table[code + 1] - table[code]) * 0.5``. Ties go up,
   and the comparison is made in float32 as written, so the codes are those
-  of bitsandbytes and torchao bit for bit. NaN gets 0. Returns int32 codes.
+  of bitsandbytes and torchao bit for bit. NaN gets 0. Returns integer
+  codes: computed in numpy for float32 numpy ``values`` (how
+  :func:`nearest_map_code` builds its tables, outside any trace), else in jnp.
   """
-  table = jnp.asarray(table, jnp.float32)
+  xp = np if isinstance(values, np.ndarray) else jnp
+  table = xp.asarray(table, xp.float32)
   size = table.shape[0]
-  code = jnp.zeros(jnp.shape(values), jnp.int32)
+  code = xp.zeros(xp.shape(values), xp.int32)
   step = size // 2
   while step:
-    code = code + jnp.where(values >= table[code + step], step, 0)
+    code = code + xp.where(values >= table[code + step], step, 0)
     step //= 2
-  up = jnp.minimum(code + 1, size - 1)
+  up = xp.minimum(code + 1, size - 1)
   below, above = table[code], table[up]
-  return jnp.where(values - below >= (above - below) * 0.5, up, code)
+  return xp.where(values - below >= (above - below) * xp.float32(0.5), up, code)
 
 
 class _BucketLookup(NamedTuple):
@@ -1002,14 +1005,12 @@ def _bucket_lookup(code: str) -> _BucketLookup:
   one threshold.
   """
   table = CODE_MAPS[code]
-  with jax.ensure_compile_time_eval():
-    reference = lambda x: np.asarray(nearest_map_code_reference(jnp.asarray(x, jnp.float32), table))
-    low, high = _ordered(table[:-1].view(np.uint32)), _ordered(table[1:].view(np.uint32))
-    codes = np.arange(table.size - 1)
-    while np.any(high - low > 1):  # Invariant: code(low) <= c < code(high).
-      middle = (low + high) // 2
-      above = reference(_from_ordered(middle)) > codes
-      high, low = np.where(above, middle, high), np.where(above, low, middle)
+  low, high = _ordered(table[:-1].view(np.uint32)), _ordered(table[1:].view(np.uint32))
+  codes = np.arange(table.size - 1)
+  while np.any(high - low > 1):  # Invariant: code(low) <= c < code(high).
+    middle = (low + high) // 2
+    above = nearest_map_code_reference(_from_ordered(middle), table) > codes
+    high, low = np.where(above, middle, high), np.where(above, low, middle)
   thresholds = np.append(_from_ordered(high), np.float32(np.inf))
   for mantissa_bits in range(24):
     shift = 23 - mantissa_bits

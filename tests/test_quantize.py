@@ -378,6 +378,7 @@ def test_nearest_map_code_is_the_references_rounding_at_every_code_change(code, 
   expected = numpy_nearest_code(x, table)
   np.testing.assert_array_equal(jax.jit(qz.nearest_map_code, static_argnums=1)(x, code), expected)
   np.testing.assert_array_equal(jax.jit(qz.nearest_map_code_reference)(x, table), expected)
+  np.testing.assert_array_equal(qz.nearest_map_code_reference(x, table), expected)  # In numpy.
 
 
 @functools.partial(jax.jit, static_argnames=("code", "block_size"))
