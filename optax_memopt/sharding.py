@@ -93,7 +93,7 @@ def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
 
 
 def _flat_blocks(leaf_shape: tuple, shape: tuple, first_axis_spec: Any, mesh: Mesh) -> bool:
-  """Whether a leaf is ``(blocks, 1)``, one value per block of the flattened parameter, that can split as its first axis.
+  """Whether a leaf is ``(blocks, 1)``, a value per block of the flattened parameter, splittable as its first axis.
 
   Low-bit AdamW's scales where blocks cross rows. The shards of a
   parameter's first axis are contiguous runs of its flattened elements, so

@@ -125,17 +125,18 @@ def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelect
     return column_select_reference(grads, tracked_index, tracked_offset, keep=keep)
   width = grads.shape[-1]
   position = jnp.arange(width, dtype=jnp.int32)
+  tracked = tracked_index.shape[-1] == 1
   u = grads.astype(jnp.float32)
-  offset = jnp.zeros(grads.shape[:-1] + (1,), jnp.float32)
-  if tracked_index.shape[-1] == 1:
+  if tracked:
     u = jnp.where(position == tracked_index, u + tracked_offset, u)
-    offset = tracked_offset.astype(jnp.float32)
   keys = magnitude_key(u)
   largest = xla_cpu.reduce_row(keys, jnp.max, jnp.maximum)
   index = xla_cpu.reduce_row(jnp.where(keys == largest, position, width), jnp.min, jnp.minimum)
-  # -0.0 where the column is not the tracked one leaves every float as it is.
-  offset = jnp.where(index == tracked_index, offset, -0.0) if tracked_index.shape[-1] else -0.0
-  return ColumnSelection(index, jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1) + offset)
+  value = jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1)
+  if tracked:
+    # -0.0 where the column is not the tracked one leaves every float as it is.
+    value = value + jnp.where(index == tracked_index, tracked_offset.astype(jnp.float32), -0.0)
+  return ColumnSelection(index, value)
 
 
 def _strided_layout(dtype: Any, segment_width: int) -> Any:

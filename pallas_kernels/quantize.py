@@ -1034,7 +1034,7 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   read off the float32 bits) span at most one threshold
   (:func:`_bucket_lookup`). The code is the bucket's first code, plus one
   at or above the bucket's next threshold: equal to the reference's for
-  every float32 (tests compare at every threshold and its neighbours),
+  every float32 (tests compare every float32 near each code change),
   for two table reads instead of a binary search's ``log2(size) + 2``.
   Returns int32 codes.
   """

@@ -1,20 +1,19 @@
 """The scheduling aids XLA:CPU needs, each the plain computation on other backends.
 
-Values are never changed; only where XLA:CPU computes them. Each aid is
-kept because it buys a measured share of an optimizer's CPU step
+Values are never changed, only where XLA:CPU computes them. Each aid is kept
+because it buys a measured share of an optimizer's CPU step
 (``docs/performance-notes.md``).
 
-:func:`tree_map`, one leaf after another. XLA:CPU schedules independent work stage by stage (every leaf's first
-fusion, then every leaf's second, ...), so every leaf's temporaries (a
-decoded moment, a top-k's input, a re-encoded block) are live at once. For
-a compressed optimizer that is tens to hundreds of MB at 10M-40M
-parameters, above glibc's 32 MiB threshold for fresh mappings, which XLA's
-per-call temporary buffer then faults in at every step: the step took 2-3x
-as long without this (``docs/performance-notes.md``). :func:`tree_map` makes
-each leaf's step wait for the previous leaf's state, so the buffer holds one
-leaf's temporaries. Values are unchanged. On other backends it is
-``jax.tree.map``: temporaries come from a pool there, and the wait would
-cost a small kernel per leaf.
+:func:`tree_map`, one leaf after another. XLA:CPU schedules independent
+work stage by stage (every leaf's first fusion, then every leaf's second,
+...), so every leaf's temporaries (a decoded moment, a top-k's input, a
+re-encoded block) are live at once. For a compressed optimizer that is tens
+to hundreds of MB at 10M-40M parameters, above glibc's 32 MiB threshold for
+fresh mappings, which XLA's per-call temporary buffer then faults in at
+every step: the step took 2-3x as long. :func:`tree_map` makes each leaf's
+step wait for the previous leaf's state, so the buffer holds one leaf's
+temporaries. On other backends it is ``jax.tree.map``: temporaries come
+from a pool there, and the wait would cost a small kernel per leaf.
 
 :func:`written_out` and :func:`reduce_row`, for ops' XLA paths. XLA fuses a
 cheap elementwise producer into each of its consumers and recomputes it
@@ -40,23 +39,19 @@ def _on_xla_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _written_out(x: jax.Array) -> jax.Array:
-  """``x``, written to a buffer of its own: rewriting an element in place stops XLA from fusing it into every reader."""
-  if x.size == 0:
-    return x
-  flat = x.reshape(-1)
-  return lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
-
-
 def written_out(x: jax.Array) -> jax.Array:
   """``x``; on XLA:CPU computed once into a buffer that all its readers share.
 
   For a value two loops read (a quantizer's statistics, then its codes),
   which XLA:CPU would otherwise compute twice, the second time inside a loop
-  that may not vectorize. (``lax.optimization_barrier`` does not do this:
-  XLA:CPU removes barriers before fusing.)
+  that may not vectorize. Rewriting the first element in place makes XLA
+  write ``x`` out (``lax.optimization_barrier`` does not: XLA:CPU removes
+  barriers before fusing).
   """
-  return _written_out(x) if _on_xla_cpu() else x
+  if not _on_xla_cpu() or x.size == 0:
+    return x
+  flat = x.reshape(-1)
+  return lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
 
 
 def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable[..., jax.Array]) -> jax.Array:
@@ -82,7 +77,8 @@ def _zero_after(values: Any) -> jax.Array:
 
   The largest of each array's first element as unsigned bits, clipped to at
   most 0: always 0, but XLA cannot know that without the elements. Written
-  out once, so that it is not recomputed inside every loop that reads it.
+  out once, so that it is not recomputed inside every loop that reads it
+  (called on XLA:CPU only).
   """
   clipped = [jnp.zeros((), jnp.uint32)]
   for x in jax.tree.leaves(values):
@@ -92,7 +88,7 @@ def _zero_after(values: Any) -> jax.Array:
     unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
     bits = first if x.dtype == unsigned else lax.bitcast_convert_type(first, unsigned)
     clipped.append(jnp.minimum(bits, 0).astype(jnp.uint32))
-  return jnp.max(_written_out(jnp.stack(clipped)))
+  return jnp.max(written_out(jnp.stack(clipped)))
 
 
 def _after(x: Any, token: jax.Array) -> Any:
