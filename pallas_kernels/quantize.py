@@ -48,7 +48,8 @@ low-bit AdamW step): each block of ``block_size`` elements keeps its absmax
 ``s`` (at least ``1e-12``) and each element the index of the entry of a
 sorted map nearest to ``x / s`` (bitsandbytes' dynamic maps, a linear map,
 :data:`CODE_MAPS`), or ``x / (s / 448)`` as float8 e4m3fn; the nearest
-entry costs two table reads per element (:func:`nearest_map_code`). These are XLA
+entry costs one table read per element (:func:`nearest_map_code`), and so
+does decoding, float8 included (:data:`FLOAT8_VALUES`). These are XLA
 ops; their GPU kernel is the fused optimizer step
 (``pallas_kernels.lowbit_adamw_update``).
 
@@ -976,76 +977,82 @@ def nearest_map_code_reference(values: jax.Array, table: Any) -> jax.Array:
 
 
 class _BucketLookup(NamedTuple):
-  """:func:`nearest_map_code`'s tables for one map (see there)."""
+  """:func:`nearest_map_code`'s table for one map (see there)."""
 
-  shift: int  # float32 bits >> shift = bucket.
-  first_codes: np.ndarray  # uint8, per bucket: the code of its smallest value.
-  next_thresholds: np.ndarray  # float32, per bucket: the smallest value with a higher code.
-
-
-def _ordered(bits: np.ndarray) -> np.ndarray:
-  """float32 bits as int64 in the order of their values (sign-magnitude to two's complement)."""
-  bits = bits.astype(np.int64)
-  return np.where(bits >> 31, -(bits & 0x7FFFFFFF), bits)
+  shift: int  # An ordered key >> shift = its bucket.
+  entries: np.ndarray  # uint32 per bucket: its first code << 24 | the offset of its code change.
 
 
-def _from_ordered(ordered: np.ndarray) -> np.ndarray:
-  return np.where(ordered < 0, -ordered | (1 << 31), ordered).astype(np.uint32).view(np.float32)
+def _ordered_key(bits: Any) -> Any:
+  """float32 bits (uint32, numpy or jnp) as uint32 keys in the order of their values.
+
+  Flips every bit of a negative number and the sign bit of a positive one.
+  This maps each aligned run of ``2**k`` bit patterns to an aligned run of
+  keys.
+  """
+  xp = np if isinstance(bits, np.ndarray) else jnp
+  return bits ^ xp.where(bits >> 31 == 1, xp.uint32(0xFFFFFFFF), xp.uint32(0x80000000))
+
+
+def _key_value(keys: np.ndarray) -> np.ndarray:
+  """The float32 values of ordered keys (the inverse of :func:`_ordered_key`)."""
+  keys = keys.astype(np.uint32)
+  positive = keys >> np.uint32(31) == 1
+  return np.where(positive, keys ^ np.uint32(0x80000000), ~keys).astype(np.uint32).view(np.float32)
 
 
 @functools.cache
 def _bucket_lookup(code: str) -> _BucketLookup:
-  """The smallest bucketing of float32 values under which no bucket holds two code changes.
+  """The widest buckets of ordered keys that each hold at most one code change.
 
-  ``thresholds[c]`` is the smallest float32 whose code (per
-  :func:`nearest_map_code_reference`) exceeds ``c``, found by bisection over
-  the float32 values between entries ``c`` and ``c + 1`` (codes grow with
-  the value). Buckets are the values sharing their sign, exponent and
-  leading mantissa bits; more mantissa bits until each bucket holds at most
-  one threshold.
+  ``thresholds[c]``, the key of the smallest float32 whose code (per
+  :func:`nearest_map_code_reference`) exceeds ``c``, is found by bisection
+  between entries ``c`` and ``c + 1`` (codes grow with the value). A bucket
+  is the keys sharing their top ``32 - shift`` bits; ``shift`` is the
+  largest under which no bucket holds two thresholds, at most 23 so that
+  the offset of a threshold in its bucket fits in 24 bits.
   """
   table = CODE_MAPS[code]
-  low, high = _ordered(table[:-1].view(np.uint32)), _ordered(table[1:].view(np.uint32))
+  low, high = (_ordered_key(t.view(np.uint32)).astype(np.int64) for t in (table[:-1], table[1:]))
   codes = np.arange(table.size - 1)
   while np.any(high - low > 1):  # Invariant: code(low) <= c < code(high).
     middle = (low + high) // 2
-    above = nearest_map_code_reference(_from_ordered(middle), table) > codes
+    above = nearest_map_code_reference(_key_value(middle), table) > codes
     high, low = np.where(above, middle, high), np.where(above, low, middle)
-  thresholds = np.append(_from_ordered(high), np.float32(np.inf))
-  for mantissa_bits in range(24):
-    shift = 23 - mantissa_bits
-    starts = np.arange(2 ** (9 + mantissa_bits), dtype=np.uint64) << np.uint64(shift)
-    ends = starts + np.uint64((1 << shift) - 1)
-    negative = starts >= 2**31
-    smallest = np.where(negative, ends, starts).astype(np.uint32).view(np.float32)
-    largest = np.where(negative, starts, ends).astype(np.uint32).view(np.float32)
-    first = np.searchsorted(thresholds, smallest, side="right")
-    first = np.where(np.isnan(smallest), 0, np.minimum(first, table.size - 1))
-    if np.all(np.isnan(largest) | (thresholds[np.minimum(first + 1, table.size - 1)] > largest)):
-      return _BucketLookup(shift, first.astype(np.uint8), thresholds[first])
+  thresholds = np.append(high, 2**32)  # No code change above the last code.
+  for shift in range(23, -1, -1):
+    starts = np.arange(2 ** (32 - shift), dtype=np.int64) << shift
+    first = np.minimum(np.searchsorted(thresholds, starts, side="right"), table.size - 1)
+    # NaN keys (beyond +inf, below -inf) get code 0 and no change.
+    nan = np.isnan(_key_value(starts))
+    first = np.where(nan, 0, first)
+    offsets = np.where(nan, 1 << shift, np.minimum(thresholds[first] - starts, 1 << shift))
+    if np.all(nan | (thresholds[np.minimum(first + 1, table.size - 1)] >= starts + (1 << shift))):
+      return _BucketLookup(shift, (first.astype(np.uint32) << 24) | offsets.astype(np.uint32))
   raise AssertionError(f"no bucketing separates the thresholds of {code}")
 
 
 def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
-  """:func:`nearest_map_code_reference` for a map of :data:`CODE_MAPS`, by two table reads.
+  """:func:`nearest_map_code_reference` for a map of :data:`CODE_MAPS`, by one table read.
 
-  The codes grow with the value, so each code change is a threshold, and
-  values with the same sign, exponent and leading mantissa bits (a bucket,
-  read off the float32 bits) span at most one threshold
-  (:func:`_bucket_lookup`). The code is the bucket's first code, plus one
-  at or above the bucket's next threshold: equal to the reference's for
-  every float32 (tests compare every float32 near each code change),
-  for two table reads instead of a binary search's ``log2(size) + 2``.
-  Returns int32 codes.
+  The codes grow with the value, so each code change is a threshold. The
+  float32 bits as keys in value order (:func:`_ordered_key`) fall in buckets
+  of ``2**shift`` keys that hold at most one threshold each
+  (:func:`_bucket_lookup`); a bucket's entry packs its first code and the
+  offset of its threshold, and the code is the first code, plus one at or
+  above the threshold. Equal to the reference's for every float32 (tests
+  compare every float32 near each code change), for one table read instead
+  of a binary search's ``log2(size) + 2``. Returns int32 codes.
   """
   table = CODE_MAPS[code]
   lookup = _bucket_lookup(code)
   # Outside the map the code is its first or last entry's; NaN stays NaN (code 0).
   values = jnp.clip(values, table[0], table[-1])
-  bucket = lax.shift_right_logical(lax.bitcast_convert_type(values, jnp.uint32), jnp.uint32(lookup.shift))
-  bucket = bucket.astype(jnp.int32)
-  first = jnp.asarray(lookup.first_codes)[bucket].astype(jnp.int32)
-  return first + (values >= jnp.asarray(lookup.next_thresholds)[bucket]).astype(jnp.int32)
+  keys = _ordered_key(lax.bitcast_convert_type(values, jnp.uint32))
+  entry = jnp.asarray(lookup.entries)[(keys >> lookup.shift).astype(jnp.int32)]
+  first_code, threshold_offset = entry >> 24, entry & jnp.uint32(0xFFFFFF)
+  offset = keys & jnp.uint32((1 << lookup.shift) - 1)
+  return (first_code + (offset >= threshold_offset)).astype(jnp.int32)
 
 
 def _divide(x: jax.Array, divisor: Any) -> jax.Array:
@@ -1084,10 +1091,19 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   return nearest_map_code(ratios, code).astype(jnp.uint8)
 
 
+# Every float8 e4m3fn number, as float32, indexed by its bits.
+FLOAT8_VALUES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+FLOAT8_VALUES.flags.writeable = False
+
+
 def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
-  """``map[codes] * scales`` (or ``float(codes) * scales`` for float8), float32."""
+  """``map[codes] * scales``, float32; for float8 the map is :data:`FLOAT8_VALUES`.
+
+  One table read per element for every code: float8 too, which XLA:CPU
+  would otherwise convert in software, several times slower.
+  """
   if code == FLOAT8_CODE:
-    return codes.astype(jnp.float32) * scales
+    return jnp.asarray(FLOAT8_VALUES)[lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)] * scales
   return jnp.asarray(CODE_MAPS[code])[codes.astype(jnp.int32)] * scales
 
 

@@ -72,6 +72,16 @@ def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable
   return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+  """``x``'s bits as an unsigned integer array of its width."""
+  unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  return x if x.dtype == unsigned else lax.bitcast_convert_type(x, unsigned)
+
+
+def _is_numeric_array(x: Any) -> bool:
+  return hasattr(x, "dtype") and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+
+
 def _zero_after(values: Any) -> jax.Array:
   """A uint32 zero that XLA can compute only once every array in ``values`` is.
 
@@ -82,20 +92,20 @@ def _zero_after(values: Any) -> jax.Array:
   """
   clipped = [jnp.zeros((), jnp.uint32)]
   for x in jax.tree.leaves(values):
-    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
-      continue
-    first = x[(0,) * x.ndim]
-    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-    bits = first if x.dtype == unsigned else lax.bitcast_convert_type(first, unsigned)
-    clipped.append(jnp.minimum(bits, 0).astype(jnp.uint32))
+    if x.size and _is_numeric_array(x):
+      clipped.append(jnp.minimum(_bits(x[(0,) * x.ndim]), 0).astype(jnp.uint32))
   return jnp.max(written_out(jnp.stack(clipped)))
 
 
 def _after(x: Any, token: jax.Array) -> Any:
-  """``x`` unchanged (``x - 0``, exact for -0.0, NaN and inf), computed only after ``token``."""
-  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.number):
+  """``x`` unchanged (its bits minus a zero), computed only after ``token``.
+
+  On the bits, so that it stays one integer operation for float8 too.
+  """
+  if not _is_numeric_array(x):
     return x
-  return x - token.astype(x.dtype)
+  bits = _bits(x) - token.astype(_bits(x).dtype)
+  return bits if bits.dtype == x.dtype else lax.bitcast_convert_type(bits, x.dtype)
 
 
 def tree_map(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any:

@@ -435,6 +435,13 @@ def test_map_codes_of_every_entry_decode_to_the_entry(code):
   np.testing.assert_array_equal(qz.map_dequantize(q, size=x.size, code=code, block_size=x.size), x)
 
 
+def test_float8_codes_decode_as_their_float8_value_for_every_bit_pattern(seed):
+  codes = jnp.arange(256, dtype=jnp.uint8).view(jnp.float8_e4m3fn)
+  scale = np.float32(np.random.default_rng(seed).uniform(0.5, 2.0))
+  decoded = qz.map_decode(codes, scale, code=qz.FLOAT8_CODE)
+  np.testing.assert_array_equal(decoded, np.asarray(codes).astype(np.float32) * scale)  # NaN where NaN.
+
+
 @pytest.mark.parametrize(
     "call,argument",
     [
