@@ -194,13 +194,20 @@ def scale_by_lowbit_adam(
       direction = fused_step.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
       return direction.astype(grad.dtype), mu, nu, mu_scales, nu_scales
 
-    per_leaf = xla_cpu.tree_map(update_leaf, updates, *state[1:])
+    per_leaf = xla_cpu.tree_map(update_leaf, updates, *state[1:], waits_for=_moments_done)
     directions, *moments = leaves.unzip(updates, per_leaf, 5)
     return directions, ScaleByLowbitAdamState(count, *moments)
 
   # Reshapes into blocks split sharded axes: under explicit mesh axes the
   # update runs with them left to the partitioner, typed like its inputs.
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
+
+
+def _moments_done(direction, mu, nu, mu_scales, nu_scales):
+  """What the next leaf waits for on XLA:CPU: the scales of quantized moments
+  (reductions over all the new moments; the codes are table reads), else the moments."""
+  del direction
+  return (mu, nu) if mu_scales is None else (mu_scales, nu_scales)
 
 
 def _alias(state_format: str, default_block_size: int):

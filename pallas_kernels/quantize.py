@@ -980,7 +980,7 @@ class _BucketLookup(NamedTuple):
   """:func:`nearest_map_code`'s table for one map (see there)."""
 
   shift: int  # An ordered key >> shift = its bucket.
-  entries: np.ndarray  # uint32 per bucket: its first code << 24 | the offset of its code change.
+  entries: np.ndarray  # uint32 per bucket: its first code << 24, plus 2**24 - its code change's offset.
 
 
 def _ordered_key(bits: Any) -> Any:
@@ -1010,7 +1010,9 @@ def _bucket_lookup(code: str) -> _BucketLookup:
   between entries ``c`` and ``c + 1`` (codes grow with the value). A bucket
   is the keys sharing their top ``32 - shift`` bits; ``shift`` is the
   largest under which no bucket holds two thresholds, at most 23 so that
-  the offset of a threshold in its bucket fits in 24 bits.
+  an offset in a bucket plus ``2**24`` cannot carry twice. A bucket without a
+  threshold gets the offset ``2**shift``, which no key reaches; NaN keys
+  (beyond infinity) get code 0.
   """
   table = CODE_MAPS[code]
   low, high = (_ordered_key(t.view(np.uint32)).astype(np.int64) for t in (table[:-1], table[1:]))
@@ -1023,12 +1025,11 @@ def _bucket_lookup(code: str) -> _BucketLookup:
   for shift in range(23, -1, -1):
     starts = np.arange(2 ** (32 - shift), dtype=np.int64) << shift
     first = np.minimum(np.searchsorted(thresholds, starts, side="right"), table.size - 1)
-    # NaN keys (beyond +inf, below -inf) get code 0 and no change.
     nan = np.isnan(_key_value(starts))
     first = np.where(nan, 0, first)
     offsets = np.where(nan, 1 << shift, np.minimum(thresholds[first] - starts, 1 << shift))
     if np.all(nan | (thresholds[np.minimum(first + 1, table.size - 1)] >= starts + (1 << shift))):
-      return _BucketLookup(shift, (first.astype(np.uint32) << 24) | offsets.astype(np.uint32))
+      return _BucketLookup(shift, ((first << 24) + (1 << 24) - offsets).astype(np.uint32))
   raise AssertionError(f"no bucketing separates the thresholds of {code}")
 
 
@@ -1038,11 +1039,13 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   The codes grow with the value, so each code change is a threshold. The
   float32 bits as keys in value order (:func:`_ordered_key`) fall in buckets
   of ``2**shift`` keys that hold at most one threshold each
-  (:func:`_bucket_lookup`); a bucket's entry packs its first code and the
-  offset of its threshold, and the code is the first code, plus one at or
-  above the threshold. Equal to the reference's for every float32 (tests
-  compare every float32 near each code change), for one table read instead
-  of a binary search's ``log2(size) + 2``. Returns int32 codes.
+  (:func:`_bucket_lookup`). A bucket's entry is its first code times
+  ``2**24`` plus ``2**24`` minus the offset of its threshold, so adding a
+  key's offset in the bucket carries into the code exactly at and above the
+  threshold: the code is ``(entry + offset) >> 24``. Equal to the
+  reference's for every float32 (tests compare every float32 near each code
+  change), for one table read instead of a binary search's ``log2(size) +
+  2``. Returns int32 codes.
   """
   table = CODE_MAPS[code]
   lookup = _bucket_lookup(code)
@@ -1050,9 +1053,8 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   values = jnp.clip(values, table[0], table[-1])
   keys = _ordered_key(lax.bitcast_convert_type(values, jnp.uint32))
   entry = jnp.asarray(lookup.entries)[(keys >> lookup.shift).astype(jnp.int32)]
-  first_code, threshold_offset = entry >> 24, entry & jnp.uint32(0xFFFFFF)
   offset = keys & jnp.uint32((1 << lookup.shift) - 1)
-  return (first_code + (offset >= threshold_offset)).astype(jnp.int32)
+  return ((entry + offset) >> 24).astype(jnp.int32)
 
 
 def _divide(x: jax.Array, divisor: Any) -> jax.Array:

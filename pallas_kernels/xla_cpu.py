@@ -108,14 +108,27 @@ def _after(x: Any, token: jax.Array) -> Any:
   return bits if bits.dtype == x.dtype else lax.bitcast_convert_type(bits, x.dtype)
 
 
-def tree_map(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any:
+def _state(direction: Any, *state: Any) -> tuple[Any, ...]:
+  return state
+
+
+def tree_map(
+    step: Callable[..., tuple[Any, ...]],
+    tree: Any,
+    *rest: Any,
+    waits_for: Callable[..., Any] = _state,
+) -> Any:
   """``jax.tree.map(step, tree, *rest)``; on XLA:CPU one leaf after another.
 
   Args:
-    step: one parameter's step, returning ``(direction, *state)``. The next
-      leaf waits for the state; the direction is left for XLA to fuse into
-      its one consumer, the parameters' update.
+    step: one parameter's step, returning ``(direction, *state)``.
     tree: the gradients; ``rest`` trees with ``tree``'s structure as a prefix.
+    waits_for: called with a leaf's results, the arrays the next leaf waits
+      for; by default the state. The direction is left out, for XLA to fuse
+      into its one consumer, the parameters' update. An array computed
+      through a table read is better left out too: the wait reads its first
+      element, and XLA then writes the table read out rather than compute it
+      twice.
 
   Returns:
     A tree like ``tree`` of ``step``'s results.
@@ -126,7 +139,7 @@ def tree_map(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any
   results = []
   for args in zip(*columns):
     if one_after_another and results:
-      token = _zero_after(results[-1][1:])
+      token = _zero_after(waits_for(*results[-1]))
       args = [jax.tree.map(lambda x: _after(x, token), arg) for arg in args]
     results.append(step(*args))
   return treedef.unflatten(results)

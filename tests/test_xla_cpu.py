@@ -11,7 +11,7 @@ from pallas_kernels import xla_cpu
 def step(g, m):
   """A leaf's (direction, state) with every kind of value the chain passes through."""
   m = 0.5 * m + g
-  return jnp.sign(m) * jnp.abs(g), m, (m > 0).astype(jnp.uint8)
+  return jnp.sign(m) * jnp.abs(g), m, (m > 0).astype(jnp.uint8), m.astype(jnp.float8_e4m3fn)
 
 
 def trees(seed):
@@ -45,6 +45,36 @@ def test_each_leaf_waits_for_the_previous_leafs_state_on_cpu_only(monkeypatch):
   independent = hlo()
   # The waits are subtractions of a zero computed from the previous state.
   assert chained.count("subtract") > independent.count("subtract")
+
+
+def test_waits_on_float8_state_are_integer_operations(seed):
+  g, _ = trees(seed)
+  codes = jax.tree.map(lambda x: x.astype(jnp.float8_e4m3fn), g)
+  hlo = jax.jit(lambda g, c: xla_cpu.tree_map(lambda g, c: (g, c), g, c)).lower(g, codes).as_text()
+  waits = [line for line in hlo.splitlines() if "subtract" in line]
+  assert waits and not [line for line in waits if "f8E4M3FN" in line]  # XLA:CPU's float8 math is software.
+  got = jax.jit(lambda g, c: xla_cpu.tree_map(lambda g, c: (g, c), g, c))(g, codes)
+  expected = jax.tree.map(lambda g, c: (g, c), g, codes)
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_waits_for_chooses_what_the_next_leaf_waits_for(monkeypatch, backend, seed):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  g, m = trees(seed)
+  waited = []
+
+  def codes_only(direction, m, positive, low_precision):
+    waited.append(positive)
+    return positive
+
+  expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
+  actual = jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m, waits_for=codes_only))(g, m)
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+  # Called between leaves on XLA:CPU only.
+  assert len(waited) == (len(jax.tree.leaves(g)) - 1 if backend == "cpu" else 0)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
