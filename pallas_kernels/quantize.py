@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -1001,12 +1001,31 @@ def _key_value(keys: np.ndarray) -> np.ndarray:
   return np.where(positive, keys ^ np.uint32(0x80000000), ~keys).astype(np.uint32).view(np.float32)
 
 
+# Every float8 e4m3fn number, as float32, indexed by its bits.
+FLOAT8_VALUES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+FLOAT8_VALUES.flags.writeable = False
+
+
+def _sorted_entries(code: str) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+  """The sorted entries that :func:`nearest_map_code` indexes for ``code``, and
+  the rounding that defines the index of a float32 (in numpy).
+
+  For float8, the magnitudes 0 to 448, whose index is their float8 bits, under
+  round to nearest even (a float8 code's sign is a bit of its own).
+  """
+  if code == FLOAT8_CODE:
+    magnitudes = FLOAT8_VALUES[:0x7F]  # Bits 0x00 (0) to 0x7E (448); 0x7F is NaN.
+    return magnitudes, lambda v: v.astype(jnp.float8_e4m3fn).view(np.uint8)
+  table = CODE_MAPS[code]
+  return table, lambda v: nearest_map_code_reference(v, table)
+
+
 @functools.cache
 def _bucket_lookup(code: str) -> _BucketLookup:
   """The widest buckets of ordered keys that each hold at most one code change.
 
   ``thresholds[c]``, the key of the smallest float32 whose code (per
-  :func:`nearest_map_code_reference`) exceeds ``c``, is found by bisection
+  :func:`_sorted_entries`' rounding) exceeds ``c``, is found by bisection
   between entries ``c`` and ``c + 1`` (codes grow with the value). A bucket
   is the keys sharing their top ``32 - shift`` bits; ``shift`` is the
   largest under which no bucket holds two thresholds, at most 23 so that
@@ -1014,12 +1033,12 @@ def _bucket_lookup(code: str) -> _BucketLookup:
   threshold gets the offset ``2**shift``, which no key reaches; NaN keys
   (beyond infinity) get code 0.
   """
-  table = CODE_MAPS[code]
+  table, rounding = _sorted_entries(code)
   low, high = (_ordered_key(t.view(np.uint32)).astype(np.int64) for t in (table[:-1], table[1:]))
   codes = np.arange(table.size - 1)
   while np.any(high - low > 1):  # Invariant: code(low) <= c < code(high).
     middle = (low + high) // 2
-    above = nearest_map_code_reference(_key_value(middle), table) > codes
+    above = rounding(_key_value(middle)) > codes
     high, low = np.where(above, middle, high), np.where(above, low, middle)
   thresholds = np.append(high, 2**32)  # No code change above the last code.
   for shift in range(23, -1, -1):
@@ -1047,7 +1066,7 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   change), for one table read instead of a binary search's ``log2(size) +
   2``. Returns int32 codes.
   """
-  table = CODE_MAPS[code]
+  table, _ = _sorted_entries(code)
   lookup = _bucket_lookup(code)
   # Outside the map the code is its first or last entry's; NaN stays NaN (code 0).
   values = jnp.clip(values, table[0], table[-1])
@@ -1089,13 +1108,11 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   """
   ratios = _divide(values, scales)
   if code == FLOAT8_CODE:
-    return ratios.astype(jnp.float8_e4m3fn)
+    # The sign of x / s is x's (s > 0).
+    sign = (lax.bitcast_convert_type(values, jnp.uint32) >> 31).astype(jnp.int32) << 7
+    codes = (nearest_map_code(jnp.abs(ratios), code) | sign).astype(jnp.uint8)
+    return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
   return nearest_map_code(ratios, code).astype(jnp.uint8)
-
-
-# Every float8 e4m3fn number, as float32, indexed by its bits.
-FLOAT8_VALUES = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
-FLOAT8_VALUES.flags.writeable = False
 
 
 def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:

@@ -381,6 +381,25 @@ def test_nearest_map_code_is_the_references_rounding_at_every_code_change(code, 
   np.testing.assert_array_equal(qz.nearest_map_code_reference(x, table), expected)  # In numpy.
 
 
+def test_float8_encode_is_the_float8_conversion_at_every_rounding_change(seed):
+  magnitudes = all_float8_values()
+  magnitudes = magnitudes[magnitudes >= 0]
+  # Rounding changes at the midpoints of neighbouring float8 numbers (ties to
+  # even): every float32 a few steps either side of each, of each number, and
+  # random values, with both signs, within the +-448 a block's ratios span.
+  midpoints = ((magnitudes[:-1].astype(np.float64) + magnitudes[1:]) / 2).astype(np.float32)
+  rng = np.random.default_rng(seed)
+  x = np.concatenate([
+      float32_neighbourhood(midpoints, 8), float32_neighbourhood(magnitudes, 2),
+      np.float32([0.0, 1e-45, 3e-39, 448.0]), rng.uniform(0, 448, 4096).astype(np.float32),
+      (448 * 10.0 ** rng.uniform(-12, 0, 4096)).astype(np.float32),
+  ])
+  x = np.concatenate([x, -x])
+  x = x[np.abs(x) <= 448]  # Also drops the NaN bit patterns next to zero.
+  encode = jax.jit(lambda v: qz.map_encode(v, np.float32(1.0), code=qz.FLOAT8_CODE))
+  np.testing.assert_array_equal(np.asarray(encode(x)).view(np.uint8), x.astype(jnp.float8_e4m3fn).view(np.uint8))
+
+
 @functools.partial(jax.jit, static_argnames=("code", "block_size"))
 def map_round_trip(x, *, code, block_size):
   q = qz.map_quantize(x, code=code, block_size=block_size)
