@@ -1055,6 +1055,9 @@ def _bucket_lookup(code: str) -> _BucketLookup:
 def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   """:func:`nearest_map_code_reference` for a map of :data:`CODE_MAPS`, by one table read.
 
+  For ``code="float8_e4m3fn"``, the float8 bits of non-negative values up to
+  448 under round to nearest even (:func:`_sorted_entries`).
+
   The codes grow with the value, so each code change is a threshold. The
   float32 bits as keys in value order (:func:`_ordered_key`) fall in buckets
   of ``2**shift`` keys that hold at most one threshold each
@@ -1068,7 +1071,7 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   """
   table, _ = _sorted_entries(code)
   lookup = _bucket_lookup(code)
-  # Outside the map the code is its first or last entry's; NaN stays NaN (code 0).
+  # Outside the map the code is its first or last entry's; NaN gets code 0.
   values = jnp.clip(values, table[0], table[-1])
   keys = _ordered_key(lax.bitcast_convert_type(values, jnp.uint32))
   entry = jnp.asarray(lookup.entries)[(keys >> lookup.shift).astype(jnp.int32)]
@@ -1104,7 +1107,10 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   """Codes of float32 ``values`` under ``scales`` (broadcast to ``values``), in ``code_dtype(code)``.
 
   The division is a true division, as in the reference (:func:`_divide`).
-  Elementwise, so the codes keep the layout (and sharding) of ``values``.
+  float8 codes are the float8 conversion of the ratios (round to nearest
+  even), which never exceed 448 under a block's scale; beyond it they
+  saturate at +-448 where the conversion gives NaN. Elementwise, so the
+  codes keep the layout (and sharding) of ``values``.
   """
   ratios = _divide(values, scales)
   if code == FLOAT8_CODE:
