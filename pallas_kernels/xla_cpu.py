@@ -104,7 +104,8 @@ def _after(x: Any, token: jax.Array) -> Any:
   """
   if not _is_numeric_array(x):
     return x
-  bits = _bits(x) - token.astype(_bits(x).dtype)
+  bits = _bits(x)
+  bits = bits - token.astype(bits.dtype)
   return bits if bits.dtype == x.dtype else lax.bitcast_convert_type(bits, x.dtype)
 
 
