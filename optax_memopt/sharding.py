@@ -117,23 +117,32 @@ def _shard_count(names: Sequence[str], mesh: Mesh) -> int:
   return math.prod(mesh.shape[name] for name in names)
 
 
-def _block_major_spec(leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh) -> PartitionSpec:
+def _block_major_spec(
+    leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh, *, codes_in_param_layout: bool
+) -> PartitionSpec:
   """The parameter's spec with its last axis's mesh axes moved to where they divide.
 
   Onto the blocks when they divide their number: each device then holds the
-  blocks of its own columns. Otherwise, when several blocks cut the last axis
-  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), onto the
-  rows beside the mesh axes the rows already have, the layout the
+  blocks of its own columns. Otherwise, when the codes are block-major too
+  (not ``codes_in_param_layout``) and several blocks cut the last axis
+  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), onto
+  the rows beside the mesh axes the rows already have, the layout the
   partitioner gives an update's output there; else nowhere (replicated over
-  them, as the partitioner keeps one block per row, or TACO's 3 parts of a
-  256-wide row).
+  them: the partitioner keeps one block per row, TACO's 3 parts of a
+  256-wide row, and the block scales of codes in the parameter's own layout,
+  which every device holding part of a row reads).
   """
   last = _mesh_axes(spec[-1])
   blocks = leaf_shape[-2]
   if blocks % _shard_count(last, mesh) == 0:
     return PartitionSpec(*spec[:-1], spec[-1], None)
   rows = _mesh_axes(spec[-2]) + last
-  if blocks > 1 and shape[-1] % blocks == 0 and leaf_shape[-3] % _shard_count(rows, mesh) == 0:
+  if (
+      not codes_in_param_layout
+      and blocks > 1
+      and shape[-1] % blocks == 0
+      and leaf_shape[-3] % _shard_count(rows, mesh) == 0
+  ):
     return PartitionSpec(*spec[:-2], rows, None, None)
   return PartitionSpec(*spec[:-1], None, None)
 
@@ -150,18 +159,21 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     ``(*shape[:-1], blocks, per_block)`` (ternary Adam's block-major codes and
     their ``(..., blocks, 1)`` scales, TACO's heavy hitters per row part):
     sharded as the parameter on the leading axes, with the mesh axes of its
-    last axis on ``blocks`` where they divide it (replicated over them
-    otherwise). Each device holds the blocks of its own columns when the
-    blocks also cut the last axis evenly;
+    last axis on ``blocks`` where they divide it. Otherwise block-major
+    codes whose blocks cut the last axis evenly put those mesh axes on the
+    rows, and everything else is replicated over them (the scales of codes
+    kept in the parameter's layout: a device needs the scale of every block
+    its columns touch);
   * one value per row, ``(*shape[:-1], 1)``, of a parameter that also has
     block-major leaves (TACO's per-row scales): the rows sharded as those
     leaves' rows;
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;
-  * one value per block of the flattened parameter, ``(blocks, 1)`` (low-bit
-    AdamW's scales where blocks cross rows): split as the parameter's first
-    axis, whose shards are contiguous runs of the flattened parameter;
+  * one value per block of the flattened parameter, ``(blocks, 1)``, beside
+    codes in the parameter's layout (low-bit AdamW's scales where blocks
+    cross rows): split as the parameter's first axis, whose shards are
+    contiguous runs of the flattened parameter;
   * no axis in common (flat packed codes, rings of sparse entries): cut by
     :func:`split_spec` over the whole mesh.
 
@@ -195,12 +207,23 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   def param_spec(param, sharding):
     return tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
 
+  # Parameters with a state leaf in their own shape (low-bit AdamW's codes),
+  # whose per-block scales the partitioner lays out after the parameter's rows.
+  codes_in_param_layout = {
+      index
+      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(state_owners))
+      if index >= 0 and tuple(leaf.shape) == tuple(param_leaves[index][0].shape)
+  }
+
   def block_major_spec(leaf, index):
     """The leaf's spec if it cuts its sharded parameter's last axis into blocks, else None."""
     param, sharding = param_leaves[index]
     if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
       return None
-    return _block_major_spec(leaf.shape, param.shape, param_spec(param, sharding), mesh)
+    return _block_major_spec(
+        leaf.shape, param.shape, param_spec(param, sharding), mesh,
+        codes_in_param_layout=index in codes_in_param_layout,
+    )
 
   # The rows' spec of each parameter's block-major leaves, which its per-row
   # values (TACO's scales) share: the partitioner derives those from them.
@@ -229,7 +252,7 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return NamedSharding(
           mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
       )
-    if _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
+    if index in codes_in_param_layout and _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 

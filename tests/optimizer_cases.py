@@ -98,6 +98,21 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
     "taco_one_segment": OptimizerCase(
         optax_memopt.taco, dict(learning_rate=1e-2, k=4, segments=1), static_args=("k", "segments")
     ),
+    # Blocks of 32: the 96-wide kernel's rows hold three, which do not split
+    # over tp = 2; their scales follow the rows over fsdp, replicated over tp,
+    # as every device holding part of a row needs them.
+    "adamw_4bit_blocks_across_tp": OptimizerCase(
+        optax_memopt.adamw_4bit,
+        dict(learning_rate=1e-2, block_size=32, min_quantized_size=32),
+        static_args=("block_size", "min_quantized_size"),
+    ),
+    # Blocks of 64 cross the 96-wide kernel's rows: flat block-major codes and
+    # their (blocks, 1) scales, both split over the whole mesh.
+    "ternary_adam_blocks_across_rows": OptimizerCase(
+        optax_memopt.ternary_adam,
+        dict(learning_rate=1e-2, block_size=64, min_size=32),
+        static_args=("block_size", "min_size", "key"),
+    ),
     # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
     # which do not split over 8 devices.
     "microadam_default_blocks": OptimizerCase(

@@ -27,7 +27,9 @@ and their parts ``tp`` (the default four parts, two per shard). The
 96-wide output kernel is where blocks and ``tp`` do not meet: its rows hold
 three of ternary Adam's blocks (and of TACO's parts at ``k = 3``), which
 cannot split over ``tp = 2``; their state then splits its rows over both mesh
-axes. TACO's one-segment rule keeps each row whole over ``tp``.
+axes, while the scales of 4-bit AdamW's three blocks (codes in the kernel's
+layout) are replicated over ``tp``. TACO's one-segment rule keeps each row
+whole over ``tp``.
 
 Prints one JSON object: ``{name: result}``, where a result holds the
 measurements ``tests/test_sharding.py`` asserts on, or ``{"error": ...}``.
