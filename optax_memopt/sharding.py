@@ -259,9 +259,24 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   return jax.tree.map(place, state, state_owners)
 
 
-def _explicit_axes() -> tuple[str, ...]:
-  """The current mesh's explicit axes that split something (of size > 1)."""
+def _explicit_mesh(tree: Any) -> Any:
+  """The mesh whose explicit axes type ``tree``'s arrays: the current one, else the arrays' own.
+
+  ``jax.make_mesh`` makes explicit axes by default, and arrays placed on such
+  a mesh carry it in their type even when no ``jax.set_mesh`` is in effect.
+  """
   mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh
+  for leaf in jax.tree.leaves(tree):
+    leaf_mesh = jax.typeof(leaf).sharding.mesh
+    if not leaf_mesh.empty and AxisType.Explicit in leaf_mesh.axis_types:
+      return leaf_mesh
+  return mesh
+
+
+def _split_explicit_axes(mesh: Any) -> tuple[str, ...]:
+  """The mesh's explicit axes that split something (of size > 1)."""
   if mesh.empty:
     return ()
   return tuple(
@@ -281,17 +296,22 @@ def typed_like_inputs(update_fn: Callable[..., Any]) -> Callable[..., Any]:
   step and the updates take the gradients' shapes, so the outputs' shardings
   are the inputs': the body runs with the explicit axes left to the
   partitioner (``jax.sharding.auto_axes``) and its outputs are given the
-  shardings of the incoming gradients and state. Elsewhere (no mesh, or
-  ``AxisType.Auto`` axes) ``update_fn`` runs as it is.
+  shardings of the incoming gradients and state. The mesh is the current
+  one (``jax.set_mesh``) or, without one, the mesh in the arrays' types.
+  Elsewhere (no mesh, or ``AxisType.Auto`` axes) ``update_fn`` runs as it is.
   """
 
   @functools.wraps(update_fn)
   def update(updates, state, params=None):
-    axes = _explicit_axes()
+    mesh = _explicit_mesh((updates, state, params))
+    axes = _split_explicit_axes(mesh)
     if not axes:
       return update_fn(updates, state, params)
-    sharding_of = lambda leaf: jax.typeof(leaf).sharding
-    out_sharding = (jax.tree.map(sharding_of, updates), jax.tree.map(sharding_of, state))
-    return jax.sharding.auto_axes(update_fn, axes=axes, out_sharding=out_sharding)(updates, state, params)
+    # Specs, not shardings: arrays created without a mesh (a step count)
+    # carry an empty one.
+    spec_of = lambda leaf: jax.typeof(leaf).sharding.spec
+    out_sharding = (jax.tree.map(spec_of, updates), jax.tree.map(spec_of, state))
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.sharding.auto_axes(update_fn, axes=axes, out_sharding=out_sharding)(updates, state, params)
 
   return update

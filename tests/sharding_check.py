@@ -14,7 +14,8 @@ vectors replicated), the state is initialised by
 step (update and ``apply_updates``, output shardings left to the
 partitioner) runs on fixed random gradients beside the same steps on one
 device. The same steps run again on a mesh of ``AxisType.Explicit`` axes,
-where every array's sharding is part of its type. A checkpoint of the
+where every array's sharding is part of its type, under ``jax.set_mesh`` and
+without it. A checkpoint of the
 single-device run, saved with orbax midway, is restored into the sharded
 layout and training continues from it.
 
@@ -37,6 +38,7 @@ measurements ``tests/test_sharding.py`` asserts on, or ``{"error": ...}``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -193,11 +195,15 @@ def restore_sharded(saved, directory, shardings):
   return checkpointer.restore(directory, target)
 
 
-def explicit_axes_run(optimizer, host_params, gradients):
-  """The same steps on a mesh whose axes are ``AxisType.Explicit``: (params, state) at the end."""
+def explicit_axes_run(optimizer, host_params, gradients, *, set_mesh: bool):
+  """The same steps on a mesh whose axes are ``AxisType.Explicit``: (params, state) at the end.
+
+  With ``set_mesh``, under ``jax.set_mesh``; else with the mesh only in the
+  arrays' types (``jax.make_mesh``'s default axes, no mesh set).
+  """
   mesh = layout.make_mesh(N_DEVICES, axis_type=AxisType.Explicit)
   param_shardings = layout.param_shardings(host_params, mesh)
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
     params = jax.device_put(host_params, param_shardings)
     abstract_state = jax.eval_shape(optimizer.init, params)
     state_shardings = optax_memopt.state_shardings(abstract_state, params, param_shardings, mesh)
@@ -244,12 +250,13 @@ def check(name: str, workdir: str) -> dict:
       ),
   }
 
-  try:
-    explicit_params, explicit_state = explicit_axes_run(optimizer, host_params, gradients)
-    result["explicit_param_differences"] = differences(single_run[-1][0], explicit_params)
-    result["explicit_state_differences"] = differences(single_run[-1][1], explicit_state)
-  except Exception:  # Reported on its own; the other measurements stand.
-    result["explicit_error"] = traceback.format_exc(limit=-6)
+  for prefix, set_mesh in (("explicit", True), ("explicit_unset", False)):
+    try:
+      explicit_params, explicit_state = explicit_axes_run(optimizer, host_params, gradients, set_mesh=set_mesh)
+      result[f"{prefix}_param_differences"] = differences(single_run[-1][0], explicit_params)
+      result[f"{prefix}_state_differences"] = differences(single_run[-1][1], explicit_state)
+    except Exception:  # Reported on its own; the other measurements stand.
+      result[f"{prefix}_error"] = traceback.format_exc(limit=-6)
 
   saved_params, saved_state = single_run[RESTORE_AFTER - 1]
   restored = restore_sharded(

@@ -103,12 +103,13 @@ def test_state_is_split_over_devices_like_its_parameters(report, name):
   )
 
 
+@pytest.mark.parametrize("prefix", ["explicit", "explicit_unset"], ids=["set_mesh", "mesh_in_types"])
 @pytest.mark.parametrize("name", NAMES)
-def test_explicit_mesh_axes_give_the_same_steps(report, name):
+def test_explicit_mesh_axes_give_the_same_steps(report, name, prefix):
   run = result(report, name)
-  assert "explicit_error" not in run, run.get("explicit_error")
-  assert not mismatches(run["explicit_param_differences"]), mismatches(run["explicit_param_differences"])
-  assert not mismatches(run["explicit_state_differences"]), mismatches(run["explicit_state_differences"])
+  assert f"{prefix}_error" not in run, run.get(f"{prefix}_error")
+  assert not mismatches(run[f"{prefix}_param_differences"]), mismatches(run[f"{prefix}_param_differences"])
+  assert not mismatches(run[f"{prefix}_state_differences"]), mismatches(run[f"{prefix}_state_differences"])
 
 
 @pytest.mark.parametrize("name", NAMES)
