@@ -134,7 +134,7 @@ def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int)
 
   Examples:
     >>> from pallas_kernels.lowbit_adamw_update import moment_shapes
-    >>> [a and (a.shape, a.dtype.name) for a in moment_shapes((64, 512), state_format="4bit", block_size=128)]
+    >>> [a if a is None else (a.shape, a.dtype.name) for a in moment_shapes((64, 512), state_format="4bit", block_size=128)]
     [((64, 512), 'uint8'), None, ((64, 4, 1), 'float32'), ((64, 4, 1), 'float32')]
     >>> moment_shapes((100, 30), state_format="8bit", block_size=256).mu_scales.shape
     (12, 1)
@@ -151,7 +151,7 @@ def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int)
 def zero_moments(shape: tuple[int, ...], *, state_format: str, block_size: int) -> LowbitMoments:
   """Moments that decode to zero: codes 0 and scales 0."""
   shapes = moment_shapes(shape, state_format=state_format, block_size=block_size)
-  return LowbitMoments(*(a and jnp.zeros(a.shape, a.dtype) for a in shapes))
+  return LowbitMoments(*(None if a is None else jnp.zeros(a.shape, a.dtype) for a in shapes))
 
 
 # Elementwise math shared by the kernel body and the reference.
@@ -548,6 +548,10 @@ def _kernel_step(
   paired = _paired(state_format)
   shape, size = grad.shape, grad.size
   n_blocks, tail = divmod(size, block_size)
+  if not n_blocks:  # All of it is the shorter last block.
+    return lowbit_adamw_update_reference(
+        grad, moments, count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size
+    )
   whole = n_blocks * block_size
   rows = block_size // KERNEL_ROW
   flat = lambda x: x.reshape(-1)

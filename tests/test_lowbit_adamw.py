@@ -192,6 +192,31 @@ def test_tails_threshold_and_dtypes_match_the_numpy_emulation(kind, dtype, seed)
       np.testing.assert_array_equal(nu, expected[0][2][name], err_msg=f"{kind} bf16 {name} seed={seed}")
 
 
+@pytest.mark.parametrize("kind", sorted(ALIASES))
+def test_scalars_and_tiny_tensors_quantize_when_no_threshold(kind, seed):
+  """``min_quantized_size=0`` quantizes every tensor, a scalar's one-element block too."""
+  rng = np.random.default_rng(seed)
+  shapes = {"scalar": (), "one": (1,), "three": (3,)}
+  params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+  grads = [{k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()} for _ in range(3)]
+  optimizer = ALIASES[kind](1e-2, block_size=64, min_quantized_size=0)
+  state = optimizer.init(params)
+  assert all(state[0].mu[k].dtype != jnp.float32 for k in shapes)
+  expected = numpy_adamw(
+      kind, {k: np.asarray(v) for k, v in params.items()}, [{k: np.asarray(v) for k, v in g.items()} for g in grads],
+      lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, block_size=64, min_size=0,
+  )
+  for t, g in enumerate(grads):
+    updates, state = jax.jit(optimizer.update)(g, state, params)
+    params = optax.apply_updates(params, updates)
+    for name in shapes:
+      mu, nu = decoded_moments(kind, state[0], name, 64)
+      message = f"{kind} step {t + 1} {name} seed={seed}"
+      np.testing.assert_array_equal(mu, expected[t][1][name], err_msg=message)
+      np.testing.assert_array_equal(nu, expected[t][2][name], err_msg=message)
+      np.testing.assert_allclose(params[name], expected[t][0][name], rtol=1e-6, err_msg=message)
+
+
 # -- state layout ----------------------------------------------------------------
 
 

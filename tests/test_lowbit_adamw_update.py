@@ -20,11 +20,14 @@ def bitwise(x) -> np.ndarray:
 
 # (format, shape, gradient dtype, block size): a tail block run by the
 # reference beside the kernel's whole blocks (8bit), blocks of two rows
-# (fp8), bfloat16 gradients with the paired 4-bit codes.
+# (fp8), bfloat16 gradients with the paired 4-bit codes, tensors shorter
+# than one block (a scalar; all of it the tail).
 CASES = [
     ("8bit", (2, 150), jnp.float32, 128),
     ("4bit", (2, 128), jnp.bfloat16, 128),
     ("fp8", (512,), jnp.float32, 256),
+    ("8bit", (), jnp.float32, 128),
+    ("4bit", (100,), jnp.float32, 128),
 ]
 
 
