@@ -2,7 +2,8 @@
 # GPU readiness in one call, on a machine with an NVIDIA Hopper GPU and JAX,
 # optax, flax and chex preinstalled (no network needed): uses this checkout
 # without installing it; times the optimizers' steps (default paths) against
-# optax.adamw, checks each Pallas op against XLA and times both at tens of
+# optax.adamw, and the low-bit AdamW steps on both paths at 300M; checks
+# each Pallas op against XLA and times both at tens of
 # millions of elements, checks each optimizer's Pallas path against its XLA
 # path step for step, and lowers every kernel. Each stage has its own time
 # limit so that one slow stage cannot starve the rest; the most wanted come
@@ -27,6 +28,10 @@ stage() {  # stage SECONDS NAME COMMAND...: run COMMAND, log to $out/NAME.txt
 }
 stage 130 step_time python -m benchmarks.step_time --models 40M 300M \
   --optimizers adamw adam_mini microadam ternary_adam taco --repeats 20 --out "$out"
+# The low-bit AdamW family's fused kernel against its XLA path (the GPU
+# target: 0.8x optax.adamw or less at 300M).
+stage 120 lowbit_step_time python -m benchmarks.step_time --models 300M \
+  --optimizers adamw adamw_8bit adamw_4bit adamw_fp8 --implementations xla pallas --repeats 20 --out "$out/lowbit"
 stage 60 kernels python -m benchmarks.kernels --size $((32 * 1024 * 1024)) --repeats 20 --out "$out"
 stage 70 implementations python -m benchmarks.implementations --model 40M --steps 3 --out "$out"
 stage 40 check_lowering python -m pallas_kernels.check_lowering
