@@ -52,6 +52,34 @@ def _last_match(path: tuple, part: tuple) -> int:
   return starts[-1] if starts else -1
 
 
+def _owners_in_containers(state: Any, params: Any) -> list[tuple[int, tuple[str, ...]]]:
+  """Per leaf of ``state`` (in ``jax.tree.leaves`` order): its parameter's index, or -1,
+  and the path of the state it is a field of.
+
+  ``[0].mu['w']`` and ``[0].mu_scales['w']`` are fields of ``[0]``;
+  ``.acc_grads['w']`` (a wrapper's own buffer) and
+  ``.inner_opt_state[0].mu.packed['w']`` are not fields of one state.
+  """
+  param_paths = [
+      (leaves.key_names(path), index)
+      for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+  ]
+
+  def owner(path):
+    keys = leaves.key_names(path)
+    matches = [
+        (len(param_path), _last_match(keys, param_path), index)
+        for param_path, index in param_paths
+        if _last_match(keys, param_path) >= 0
+    ]
+    if not matches:
+      return -1, keys
+    _, start, index = max(matches)
+    return index, keys[: start - 1]
+
+  return [owner(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
 def owners(state: Any, params: Any) -> Any:
   """For each state leaf, the index in ``jax.tree.leaves(params)`` of its parameter, or -1.
 
@@ -60,21 +88,8 @@ def owners(state: Any, params: Any) -> Any:
   path, and of equally long ones the last in the leaf's path. Step counts and
   PRNG keys belong to none.
   """
-  param_paths = [
-      (leaves.key_names(path), index)
-      for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
-  ]
-
-  def owner(path, _):
-    keys = leaves.key_names(path)
-    matches = [
-        (len(param_path), _last_match(keys, param_path), index)
-        for param_path, index in param_paths
-        if _last_match(keys, param_path) >= 0
-    ]
-    return max(matches)[2] if matches else -1
-
-  return jax.tree_util.tree_map_with_path(owner, state)
+  indices = [index for index, _ in _owners_in_containers(state, params)]
+  return jax.tree.unflatten(jax.tree.structure(state), indices)
 
 
 def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
@@ -150,7 +165,9 @@ def _block_major_spec(
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """Shardings for an optimizer state that follow the parameters' shardings.
 
-  Each state leaf is placed after its parameter (see :func:`owners`):
+  Each state leaf is placed after its parameter (see :func:`owners`) and
+  the other fields of its own state (a wrapper's buffers, such as
+  ``optax.MultiSteps``' accumulated gradients, are a state of their own):
 
   * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
     sharding, so elementwise updates need no communication;
@@ -170,8 +187,8 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   * some axes the same size as the parameter's at the same position (keep-dims
     per-block statistics, per-row buffers): those axes sharded as the
     parameter's, the rest replicated;
-  * one value per block of the flattened parameter, ``(blocks, 1)``, beside
-    codes in the parameter's layout (low-bit AdamW's scales where blocks
+  * one value per block of the flattened parameter, ``(blocks, 1)``, in a
+    state whose codes keep the parameter's layout (low-bit AdamW's scales where blocks
     cross rows): split as the parameter's first axis, whose shards are
     contiguous runs of the flattened parameter;
   * no axis in common (flat packed codes, rings of sparse entries): cut by
@@ -202,38 +219,42 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """
   param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
   replicated = NamedSharding(mesh, PartitionSpec())
-  state_owners = owners(state, params)
+  state_leaves, treedef = jax.tree.flatten(state)
+  # A leaf's owner: its parameter's index and the state it is a field of
+  # (the fields of one state are laid out together).
+  state_owners = _owners_in_containers(state, params)
 
   def param_spec(param, sharding):
     return tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
 
-  # Parameters with a state leaf in their own shape (low-bit AdamW's codes),
+  # States with a field in their parameter's own shape (low-bit AdamW's codes),
   # whose per-block scales the partitioner lays out after the parameter's rows.
   codes_in_param_layout = {
-      index
-      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(state_owners))
-      if index >= 0 and tuple(leaf.shape) == tuple(param_leaves[index][0].shape)
+      owner
+      for leaf, owner in zip(state_leaves, state_owners)
+      if owner[0] >= 0 and tuple(leaf.shape) == tuple(param_leaves[owner[0]][0].shape)
   }
 
-  def block_major_spec(leaf, index):
+  def block_major_spec(leaf, owner):
     """The leaf's spec if it cuts its sharded parameter's last axis into blocks, else None."""
-    param, sharding = param_leaves[index]
+    param, sharding = param_leaves[owner[0]]
     if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
       return None
     return _block_major_spec(
         leaf.shape, param.shape, param_spec(param, sharding), mesh,
-        codes_in_param_layout=index in codes_in_param_layout,
+        codes_in_param_layout=owner in codes_in_param_layout,
     )
 
-  # The rows' spec of each parameter's block-major leaves, which its per-row
+  # The rows' spec of each state's block-major leaves, which its per-row
   # values (TACO's scales) share: the partitioner derives those from them.
   block_rows = {
-      index: spec[-3]
-      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(state_owners))
-      if index >= 0 and (spec := block_major_spec(leaf, index)) is not None
+      owner: spec[-3]
+      for leaf, owner in zip(state_leaves, state_owners)
+      if owner[0] >= 0 and (spec := block_major_spec(leaf, owner)) is not None
   }
 
-  def place(leaf, index):
+  def place(leaf, owner):
+    index = owner[0]
     if index < 0:
       return replicated
     param, sharding = param_leaves[index]
@@ -243,20 +264,20 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     if sharding.is_fully_replicated:
       return replicated
     spec = param_spec(param, sharding)
-    block_spec = block_major_spec(leaf, index)
+    block_spec = block_major_spec(leaf, owner)
     if block_spec is not None:
       return NamedSharding(mesh, block_spec)
-    if index in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
-      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[index], None))
+    if owner in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[owner], None))
     if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
       return NamedSharding(
           mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
       )
-    if index in codes_in_param_layout and _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
+    if owner in codes_in_param_layout and _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
-  return jax.tree.map(place, state, state_owners)
+  return treedef.unflatten([place(leaf, owner) for leaf, owner in zip(state_leaves, state_owners)])
 
 
 def _explicit_mesh(tree: Any) -> Any:

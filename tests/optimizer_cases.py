@@ -84,6 +84,10 @@ CASES: dict[str, OptimizerCase] = {
     ),
 }
 
+def _ternary_adam_every_two_steps(**kwargs) -> optax.GradientTransformation:
+  return optax.MultiSteps(optax_memopt.ternary_adam(**kwargs), every_k_schedule=2).gradient_transformation()
+
+
 # Layouts that only the sharded tests tell apart, on tests.sharding_check's
 # tree (matrices 96, 256 and 512 wide, tensor parallelism of 2 over the
 # outputs).
@@ -111,6 +115,14 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
     "ternary_adam_blocks_across_rows": OptimizerCase(
         optax_memopt.ternary_adam,
         dict(learning_rate=1e-2, block_size=64, min_size=32),
+        static_args=("block_size", "min_size", "key"),
+    ),
+    # Inside optax.MultiSteps, whose gradient buffer has the parameters'
+    # shapes: ternary Adam's three blocks of a 96-wide row still split their
+    # rows over both mesh axes (the buffer is not a field of its state).
+    "ternary_adam_in_multisteps": OptimizerCase(
+        _ternary_adam_every_two_steps,
+        dict(learning_rate=1e-2, block_size=32, min_size=32),
         static_args=("block_size", "min_size", "key"),
     ),
     # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
