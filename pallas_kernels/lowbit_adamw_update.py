@@ -547,11 +547,13 @@ def _kernel_step(
   state = STATE_FORMATS[state_format]
   paired = _paired(state_format)
   shape, size = grad.shape, grad.size
+  reference = functools.partial(
+      lowbit_adamw_update_reference,
+      count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size,
+  )
   n_blocks, tail = divmod(size, block_size)
   if not n_blocks:  # All of it is the shorter last block.
-    return lowbit_adamw_update_reference(
-        grad, moments, count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size
-    )
+    return reference(grad, moments)
   whole = n_blocks * block_size
   rows = block_size // KERNEL_ROW
   flat = lambda x: x.reshape(-1)
@@ -582,7 +584,7 @@ def _kernel_step(
   mu_scales, nu_scales = outputs
   new = [flat(direction), flat(mu), None if paired else flat(nu), flat(mu_scales), flat(nu_scales)]
   if tail:
-    tail_direction, tail_moments = lowbit_adamw_update_reference(
+    tail_direction, tail_moments = reference(
         flat(grad)[whole:],
         LowbitMoments(
             flat(moments.mu)[whole:],
@@ -590,7 +592,6 @@ def _kernel_step(
             flat(moments.mu_scales)[n_blocks:].reshape(1, 1),
             flat(moments.nu_scales)[n_blocks:].reshape(1, 1),
         ),
-        count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size,
     )
     new = [
         None if part is None else jnp.concatenate([part, flat(extra)])
