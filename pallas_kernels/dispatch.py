@@ -2,9 +2,13 @@
 
 Every op of ``pallas_kernels`` takes ``implementation=``:
 
-* ``None``: the op's default for the device, from :data:`FASTER_ON_HOPPER`:
-  the Pallas kernel on a Hopper-or-newer NVIDIA GPU where it measured faster
-  than XLA there (``benchmarks/README.md``), XLA everywhere else;
+* ``None``: the op's default for the platform the program is lowered for,
+  from :data:`FASTER_ON_HOPPER`: the Pallas kernel in a program lowered for a
+  Hopper-or-newer NVIDIA GPU where the kernel moved fewer bytes or measured
+  faster than XLA there (``benchmarks/README.md``), XLA everywhere else. The
+  choice is made when the program is lowered (``jax.lax.platform_dependent``),
+  never from the process's default backend, so that a program compiled for a
+  GPU from a CPU host is the GPU's program;
 * ``"xla"``: the jnp/XLA path (any backend);
 * ``"pallas"``: the Mosaic GPU kernel; fails loudly where it cannot run
   rather than falling back;
@@ -14,9 +18,10 @@ Every op of ``pallas_kernels`` takes ``implementation=``:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import jax
+from jax import lax
 
 Implementation = Literal["xla", "pallas", "interpret"] | None
 IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
@@ -36,15 +41,23 @@ FASTER_ON_HOPPER: dict[str, bool] = {
 # Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.
 _MIN_MOSAIC_COMPUTE_CAPABILITY = 9.0
 
+T = TypeVar("T")
 
-def default_device_runs_mosaic_gpu() -> bool:
-  """Whether JAX's default device is an NVIDIA GPU of compute capability >= 9.0."""
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return False
+
+def cuda_target_runs_mosaic_gpu() -> bool:
+  """Whether a program lowered for CUDA in this process targets Hopper or newer.
+
+  The process's CUDA devices decide where it has them. A process without any
+  (a CPU-only machine lowering or compiling ahead of time for a GPU target
+  description) targets Hopper, the generation the kernels are written for.
+  """
   try:
-    return float(getattr(device, "compute_capability", None)) >= _MIN_MOSAIC_COMPUTE_CAPABILITY
-  except (TypeError, ValueError):
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return True
+  try:
+    return all(float(d.compute_capability) >= _MIN_MOSAIC_COMPUTE_CAPABILITY for d in devices)
+  except (AttributeError, TypeError, ValueError):
     return False
 
 
@@ -57,9 +70,29 @@ def check(implementation: Implementation) -> None:
     )
 
 
-def resolve(op: str, implementation: Implementation) -> str:
-  """``implementation`` checked, with ``None`` turned into ``op``'s default for the device."""
+def run(op: str, implementation: Implementation, path: Callable[[str], T]) -> T:
+  """``path`` called with the implementation that runs ``op``.
+
+  Args:
+    op: a key of :data:`FASTER_ON_HOPPER`.
+    implementation: the caller's choice, checked; a named one is honoured
+      everywhere.
+    path: computes the op given ``"xla"``, ``"pallas"`` or ``"interpret"``.
+      Called with ``"pallas"`` only for a CUDA lowering when
+      ``implementation`` is ``None``; a path that cannot run the kernel on
+      its arguments then takes XLA itself.
+
+  Returns:
+    ``path(implementation)``, or for ``None`` the kernel in a program lowered
+    for a Hopper-or-newer GPU where :data:`FASTER_ON_HOPPER` says so, and XLA
+    in every other program.
+  """
   check(implementation)
-  if implementation is None:
-    return "pallas" if FASTER_ON_HOPPER[op] and default_device_runs_mosaic_gpu() else "xla"
-  return implementation
+  if implementation is not None:
+    return path(implementation)
+  if not FASTER_ON_HOPPER[op]:
+    return path("xla")
+  return lax.platform_dependent(
+      cuda=lambda: path("pallas" if cuda_target_runs_mosaic_gpu() else "xla"),
+      default=lambda: path("xla"),
+  )

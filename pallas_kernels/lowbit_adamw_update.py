@@ -371,11 +371,14 @@ def lowbit_adamw_update(
           f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
           f" {_describe(actual)}."
       )
-  implementation = dispatch.resolve("lowbit_adamw_update", implementation)
   args = dict(count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)
-  if implementation == "xla":
-    return lowbit_adamw_update_reference(grad, moments, **args)
-  return _kernel_step(grad, moments, interpret=implementation == "interpret", **args)
+
+  def path(resolved: str) -> tuple[jax.Array, LowbitMoments]:
+    if resolved == "xla":
+      return lowbit_adamw_update_reference(grad, moments, **args)
+    return _kernel_step(grad, moments, interpret=resolved == "interpret", **args)
+
+  return dispatch.run("lowbit_adamw_update", implementation, path)
 
 
 # -- the Mosaic GPU kernel ---------------------------------------------------------

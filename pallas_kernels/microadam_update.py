@@ -401,23 +401,25 @@ def microadam_update(
     )
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  resolved = dispatch.resolve("microadam_update", implementation)
+  dispatch.check(implementation)
   unsupported = kernel_unsupported_reason(block_size)
-  if resolved != "xla" and unsupported is not None:
-    if implementation is not None:
-      raise ValueError(unsupported)
-    resolved = "xla"
-  return _microadam_update(
-      indices,
-      values,
-      count,
-      b1,
-      b2,
-      eps,
-      size=size,
-      density=density,
-      block_size=block_size,
-      implementation=resolved,
+  if implementation not in (None, "xla") and unsupported is not None:
+    raise ValueError(unsupported)
+  return dispatch.run(
+      "microadam_update",
+      implementation,
+      lambda resolved: _microadam_update(
+          indices,
+          values,
+          count,
+          b1,
+          b2,
+          eps,
+          size=size,
+          density=density,
+          block_size=block_size,
+          implementation="xla" if unsupported else resolved,
+      ),
   )
 
 

@@ -623,20 +623,24 @@ def quantize(
   _check_bucket_size(bucket_size)
   _check_dtype("x", x.dtype, _INPUT_DTYPES)
   stats_dtype = _check_dtype("stats_dtype", stats_dtype, _STATS_DTYPES)
-  implementation = dispatch.resolve("quantize", implementation)
+  dispatch.check(implementation)
   if x.size == 0:
     return QuantizedArray(
         jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)
     )
-  if implementation == "xla":
-    return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
-  return _quantize_pallas(
-      x,
-      bits=bits,
-      bucket_size=bucket_size,
-      stats_dtype=stats_dtype,
-      interpret=implementation == "interpret",
-  )
+
+  def path(resolved: str) -> QuantizedArray:
+    if resolved == "xla":
+      return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
+    return _quantize_pallas(
+        x,
+        bits=bits,
+        bucket_size=bucket_size,
+        stats_dtype=stats_dtype,
+        interpret=resolved == "interpret",
+    )
+
+  return dispatch.run("quantize", implementation, path)
 
 
 def _check_quantized(q: Any, size: int, bits: int, bucket_size: int) -> None:
@@ -676,23 +680,27 @@ def _dequantize_flat(
   _check_size(size)
   _check_bucket_size(bucket_size)
   _check_quantized(q, size, bits, bucket_size)
-  implementation = dispatch.resolve("quantize", implementation)
+  dispatch.check(implementation)
   if size == 0:
     return jnp.zeros((0,), dtype)
-  if implementation == "xla":
-    decoded = _decode_xla(q, size=size, bits=bits, bucket_size=bucket_size)
-    if y is not None:
-      decoded = y.reshape(-1).astype(jnp.float32) + decoded
-    return decoded.astype(dtype)
-  return _decode_pallas(
-      q,
-      y,
-      size=size,
-      bits=bits,
-      bucket_size=bucket_size,
-      dtype=dtype,
-      interpret=implementation == "interpret",
-  )
+
+  def path(resolved: str) -> jax.Array:
+    if resolved == "xla":
+      decoded = _decode_xla(q, size=size, bits=bits, bucket_size=bucket_size)
+      if y is not None:
+        decoded = y.reshape(-1).astype(jnp.float32) + decoded
+      return decoded.astype(dtype)
+    return _decode_pallas(
+        q,
+        y,
+        size=size,
+        bits=bits,
+        bucket_size=bucket_size,
+        dtype=dtype,
+        interpret=resolved == "interpret",
+    )
+
+  return dispatch.run("quantize", implementation, path)
 
 
 def dequantize(

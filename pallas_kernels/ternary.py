@@ -547,9 +547,10 @@ def ternary_encode(
   check_block_size(block_size)
   layout = packing_layout(packing)
   _check_key(key)
-  implementation = dispatch.resolve("ternary", implementation)
-  packed, scales = _encode(
-      x, key, block_size=block_size, layout=layout, implementation=implementation
+  packed, scales = dispatch.run(
+      "ternary",
+      implementation,
+      lambda resolved: _encode(x, key, block_size=block_size, layout=layout, implementation=resolved),
   )
   return TernaryArray(packed, scales)
 
@@ -606,17 +607,21 @@ def ternary_decode(
   layout = packing_layout(packing)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a floating dtype; got {dtype!r}.")
-  implementation = dispatch.resolve("ternary", implementation)
+  dispatch.check(implementation)
   packed, scales = (jnp.asarray(a) for a in t)
   _check_ternary_array(packed, scales, size=size, block_size=block_size, layout=layout)
-  return _decode(
-      packed,
-      scales,
-      size=size,
-      block_size=block_size,
-      layout=layout,
-      dtype=jnp.dtype(dtype),
-      implementation=implementation,
+  return dispatch.run(
+      "ternary",
+      implementation,
+      lambda resolved: _decode(
+          packed,
+          scales,
+          size=size,
+          block_size=block_size,
+          layout=layout,
+          dtype=jnp.dtype(dtype),
+          implementation=resolved,
+      ),
   )
 
 
@@ -650,9 +655,10 @@ def ternary_round(
   x = _float_input(x, "x")
   check_block_size(block_size)
   _check_key(key)
-  implementation = dispatch.resolve("ternary", implementation)
-  return _encode(
-      x, key, block_size=block_size, layout=_UNPACKED, implementation=implementation
+  return dispatch.run(
+      "ternary",
+      implementation,
+      lambda resolved: _encode(x, key, block_size=block_size, layout=_UNPACKED, implementation=resolved),
   )
 
 
@@ -698,15 +704,15 @@ def pack_trits(
   ):
     raise ValueError(f"trits must have an integer or floating dtype; got {trits.dtype}.")
   layout = packing_layout(packing)
-  implementation = dispatch.resolve("ternary", implementation)
+  dispatch.check(implementation)
   if trits.dtype != jnp.int8:
     trits = trits.astype(jnp.float32)
-  packed, _ = _encode(
-      trits,
-      None,
-      block_size=_row_block_size(layout),
-      layout=layout,
-      implementation=implementation,
+  packed, _ = dispatch.run(
+      "ternary",
+      implementation,
+      lambda resolved: _encode(
+          trits, None, block_size=_row_block_size(layout), layout=layout, implementation=resolved
+      ),
   )
   return packed
 
@@ -741,19 +747,23 @@ def unpack_trits(
   """
   _check_size(size)
   layout = packing_layout(packing)
-  implementation = dispatch.resolve("ternary", implementation)
+  dispatch.check(implementation)
   packed = jnp.asarray(packed)
   _check_ternary_array(packed, None, size=size, block_size=1, layout=layout)
   block_size = _row_block_size(layout)
   ones = jnp.ones((_num_blocks(size, block_size),), jnp.float32)
-  return _decode(
-      packed,
-      ones,
-      size=size,
-      block_size=block_size,
-      layout=layout,
-      dtype=jnp.dtype(jnp.int8),
-      implementation=implementation,
+  return dispatch.run(
+      "ternary",
+      implementation,
+      lambda resolved: _decode(
+          packed,
+          ones,
+          size=size,
+          block_size=block_size,
+          layout=layout,
+          dtype=jnp.dtype(jnp.int8),
+          implementation=resolved,
+      ),
   )
 
 

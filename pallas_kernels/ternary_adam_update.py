@@ -659,11 +659,14 @@ def ternary_adam_update(
   _check_rate("b2", b2)
   if isinstance(eps, (int, float)) and not eps >= 0:
     raise ValueError(f"eps must be >= 0; got {eps}.")
-  implementation = dispatch.resolve("ternary_adam_update", implementation)
-  return _step(
-      grad, stored, scales, second_moment, seed, count, b1, b2, eps,
-      block_size=block_size, layout=layout, update_nu=nu is not None,
-      implementation=implementation,
+  return dispatch.run(
+      "ternary_adam_update",
+      implementation,
+      lambda resolved: _step(
+          grad, stored, scales, second_moment, seed, count, b1, b2, eps,
+          block_size=block_size, layout=layout, update_nu=nu is not None,
+          implementation=resolved,
+      ),
   )
 
 

@@ -396,13 +396,17 @@ def block_topk(
   """
   density, block_size = _check_block_params(density, block_size)
   x = _float_array(x)
-  resolved = dispatch.resolve("block_topk", implementation)
+  dispatch.check(implementation)
   unsupported = _kernel_unsupported_reason(x, block_size)
-  if resolved != "xla" and unsupported is not None:
-    if implementation is not None:
-      raise ValueError(unsupported)
-    resolved = "xla"
-  return _block_topk(x, density=density, block_size=block_size, implementation=resolved)
+  if implementation not in (None, "xla") and unsupported is not None:
+    raise ValueError(unsupported)
+  return dispatch.run(
+      "block_topk",
+      implementation,
+      lambda resolved: _block_topk(
+          x, density=density, block_size=block_size, implementation="xla" if unsupported else resolved
+      ),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("density", "block_size"))

@@ -1,7 +1,9 @@
 """The scheduling aids XLA:CPU needs, each the plain computation on other backends.
 
-Values are never changed, only where XLA:CPU computes them. Each aid is kept
-because it buys a measured share of an optimizer's CPU step
+Values are never changed, only where XLA:CPU computes them. Each aid is
+chosen when the program is lowered (``jax.lax.platform_dependent``): a
+program lowered for a GPU carries none of them, whatever the process's
+default backend. Each aid is kept because it buys a measured share of an optimizer's CPU step
 (``docs/performance-notes.md``).
 
 :func:`tree_map`, one leaf after another. XLA:CPU schedules independent
@@ -34,9 +36,22 @@ from jax import lax
 # The widest row reduction XLA:CPU fuses with the computation of its input.
 FUSED_REDUCTION = 32
 
+# The name scope of every aid's operations: a lowered program's debug
+# information shows whether it carries any (``Lowered.as_text(debug_info=True)``).
+SCOPE = "xla_cpu_aid"
 
-def _on_xla_cpu() -> bool:
-  return jax.default_backend() == "cpu"
+
+def _in_scope(aided: Callable[..., Any]) -> Callable[..., Any]:
+  def scoped(*args: Any) -> Any:
+    with jax.named_scope(SCOPE):
+      return aided(*args)
+
+  return scoped
+
+
+def _on_xla_cpu(x: Any, aided: Callable[..., Any], *rest: Any) -> Any:
+  """``aided(x, *rest)`` in a program lowered for the CPU, ``x`` in any other."""
+  return lax.platform_dependent(x, *rest, cpu=_in_scope(aided), default=lambda x, *_: x)
 
 
 def written_out(x: jax.Array) -> jax.Array:
@@ -48,10 +63,14 @@ def written_out(x: jax.Array) -> jax.Array:
   write ``x`` out (``lax.optimization_barrier`` does not: XLA:CPU removes
   barriers before fusing).
   """
-  if not _on_xla_cpu() or x.size == 0:
+  if x.size == 0:
     return x
-  flat = x.reshape(-1)
-  return lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
+
+  def rewrite_first_element(x):
+    flat = x.reshape(-1)
+    return lax.dynamic_update_slice(flat, flat[:1], (0,)).reshape(x.shape)
+
+  return _on_xla_cpu(x, rewrite_first_element)
 
 
 def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable[..., jax.Array]) -> jax.Array:
@@ -62,14 +81,17 @@ def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable
   ``FUSED_REDUCTION`` entries; a row still wider reduces in chunks of the
   widest divisor up to that, then across chunks.
   """
-  if not _on_xla_cpu():
-    return reduce(x, axis=-1, keepdims=True)
-  while x.shape[-1] % 2 == 0 and x.shape[-1] > FUSED_REDUCTION:
-    half = x.shape[-1] // 2
-    x = combine(x[..., :half], x[..., half:])
-  *rows, width = x.shape
-  chunk = max(d for d in range(1, min(width, FUSED_REDUCTION) + 1) if width % d == 0)
-  return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
+  def in_fused_steps(x):
+    while x.shape[-1] % 2 == 0 and x.shape[-1] > FUSED_REDUCTION:
+      half = x.shape[-1] // 2
+      x = combine(x[..., :half], x[..., half:])
+    *rows, width = x.shape
+    chunk = max(d for d in range(1, min(width, FUSED_REDUCTION) + 1) if width % d == 0)
+    return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
+
+  return lax.platform_dependent(
+      x, cpu=_in_scope(in_fused_steps), default=lambda x: reduce(x, axis=-1, keepdims=True)
+  )
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -88,7 +110,7 @@ def _zero_after(values: Any) -> jax.Array:
   The largest of each array's first element as unsigned bits, clipped to at
   most 0: always 0, but XLA cannot know that without the elements. Written
   out once, so that it is not recomputed inside every loop that reads it
-  (called on XLA:CPU only).
+  (read only by the CPU program; XLA removes it from any other).
   """
   clipped = [jnp.zeros((), jnp.uint32)]
   for x in jax.tree.leaves(values):
@@ -102,11 +124,14 @@ def _after(x: Any, token: jax.Array) -> Any:
 
   On the bits, so that it stays one integer operation for float8 too.
   """
-  if not _is_numeric_array(x):
-    return x
   bits = _bits(x)
   bits = bits - token.astype(bits.dtype)
   return bits if bits.dtype == x.dtype else lax.bitcast_convert_type(bits, x.dtype)
+
+
+def _waits(x: Any, token: jax.Array) -> Any:
+  """``x``, computed after ``token`` in a program lowered for the CPU."""
+  return _on_xla_cpu(x, _after, token) if _is_numeric_array(x) else x
 
 
 def _state(direction: Any, *state: Any) -> tuple[Any, ...]:
@@ -136,11 +161,10 @@ def tree_map(
   """
   leaves, treedef = jax.tree.flatten(tree)
   columns = [leaves] + [treedef.flatten_up_to(r) for r in rest]
-  one_after_another = _on_xla_cpu()
   results = []
   for args in zip(*columns):
-    if one_after_another and results:
+    if results:
       token = _zero_after(waits_for(*results[-1]))
-      args = [jax.tree.map(lambda x: _after(x, token), arg) for arg in args]
+      args = [jax.tree.map(lambda x: _waits(x, token), arg) for arg in args]
     results.append(step(*args))
   return treedef.unflatten(results)

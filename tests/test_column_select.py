@@ -109,7 +109,7 @@ def test_kernel_matches_the_reference_in_the_interpreter(
 
 @pytest.mark.parametrize("hopper", [True, False])
 def test_automatic_choice_takes_the_kernel_on_hopper_only(monkeypatch, hopper):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: hopper)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: hopper)
   grads = (jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),)
   tracked = (
       jax.ShapeDtypeStruct((8, 256), jnp.float32),

@@ -1,41 +1,76 @@
-"""The implementation switch: validation and the per-op device default."""
+"""The implementation switch: validation and the per-platform default."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import dispatch
+from pallas_kernels import _backend, dispatch
+
+
+_MARKERS = {"xla": 7001, "pallas": 7002, "interpret": 7003}
+
+
+def _path(resolved):
+  """A path whose result, a constant in the lowered program, says which implementation it is."""
+  return jnp.int32(_MARKERS[resolved])
+
+
+def _lowered(op, implementation, platform):
+  fn = lambda: dispatch.run(op, implementation, _path)
+  if platform == "cuda":
+    return _backend.lower_for_cuda(fn)
+  return jax.jit(fn).trace().lower(lowering_platforms=(platform,)).as_text()
+
+
+def _constant_returned(text):
+  """The one implementation whose marker the lowered program holds."""
+  (found,) = [name for name, marker in _MARKERS.items() if f"dense<{marker}>" in text]
+  return found
 
 
 @pytest.mark.parametrize("bad", ["cuda", "Pallas", 1, ""])
 def test_unknown_implementation_is_refused_by_name(bad):
   with pytest.raises(ValueError, match=r"implementation must be one of None, 'xla', 'pallas' or 'interpret'"):
-    dispatch.resolve("quantize", bad)
+    dispatch.run("quantize", bad, _path)
 
 
 @pytest.mark.parametrize("op", sorted(dispatch.FASTER_ON_HOPPER))
 @pytest.mark.parametrize("named", ["xla", "pallas", "interpret"])
-def test_a_named_implementation_is_honoured_on_any_device(monkeypatch, op, named):
-  for on_hopper in (False, True):
-    monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: on_hopper)
-    assert dispatch.resolve(op, named) == named
+def test_a_named_implementation_is_honoured_on_any_platform(monkeypatch, op, named):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  for platform in ("cpu", "cuda"):
+    assert _constant_returned(_lowered(op, named, platform)) == named
 
 
-def test_none_takes_xla_off_hopper_and_the_tables_choice_on_it(monkeypatch):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
-  assert {op: dispatch.resolve(op, None) for op in dispatch.FASTER_ON_HOPPER} == dict.fromkeys(
+def test_none_is_decided_by_the_platform_lowered_for(monkeypatch):
+  """Lowered from this CPU process: the CUDA program takes the table's choice, the CPU program XLA."""
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  on_cuda = {op: _constant_returned(_lowered(op, None, "cuda")) for op in dispatch.FASTER_ON_HOPPER}
+  on_cpu = {op: _constant_returned(_lowered(op, None, "cpu")) for op in dispatch.FASTER_ON_HOPPER}
+  assert on_cpu == dict.fromkeys(dispatch.FASTER_ON_HOPPER, "xla")
+  assert on_cuda == {op: "pallas" if faster else "xla" for op, faster in dispatch.FASTER_ON_HOPPER.items()}
+
+
+def test_none_takes_xla_for_a_gpu_older_than_hopper(monkeypatch):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
+  assert {op: _constant_returned(_lowered(op, None, "cuda")) for op in dispatch.FASTER_ON_HOPPER} == dict.fromkeys(
       dispatch.FASTER_ON_HOPPER, "xla"
   )
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
-  # From the H200 measurements in benchmarks/README.md.
-  assert {op: dispatch.resolve(op, None) for op in dispatch.FASTER_ON_HOPPER} == {
-      "block_topk": "xla",
-      "quantize": "pallas",
-      "ternary": "pallas",
-      "microadam_update": "xla",
-      "column_select": "pallas",
-      "ternary_adam_update": "xla",
-      "lowbit_adamw_update": "xla",
-  }
 
 
-def test_the_cpu_is_not_a_mosaic_gpu_device():
-  assert not dispatch.default_device_runs_mosaic_gpu()
+class _FakeGpu:
+  def __init__(self, compute_capability):
+    self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize(("capabilities", "runs"), [(["9.0"], True), (["10.0", "9.0"], True), (["8.0"], False), (["9.0", "8.6"], False)])
+def test_the_process_cuda_devices_decide_the_generation(monkeypatch, capabilities, runs):
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [_FakeGpu(c) for c in capabilities])
+  assert dispatch.cuda_target_runs_mosaic_gpu() == runs
+
+
+def test_a_process_without_cuda_devices_targets_hopper():
+  """This CPU machine lowering for CUDA, or compiling for an H100 target description."""
+  with pytest.raises(RuntimeError):
+    jax.devices("cuda")
+  assert dispatch.cuda_target_runs_mosaic_gpu()

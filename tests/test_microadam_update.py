@@ -201,7 +201,7 @@ def lowered_update(block_size: int) -> str:
 
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", kernel_faster)
   assert ("mosaic_gpu" in lowered_update(256)) == kernel_faster
   # A block size the kernel lacks takes XLA, whatever the table says.
@@ -209,11 +209,11 @@ def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster
 
 
 def test_auto_on_hopper_follows_the_shipped_table(monkeypatch):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   assert ("mosaic_gpu" in lowered_update(256)) == dispatch.FASTER_ON_HOPPER["microadam_update"]
 
 
 def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", True)
   assert "mosaic_gpu" not in lowered_update(256)

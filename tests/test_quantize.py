@@ -490,12 +490,12 @@ def lowered_quantize() -> str:
 
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", kernel_faster)
   assert ("mosaic_gpu" in lowered_quantize()) == kernel_faster
 
 
 def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", True)
   assert "mosaic_gpu" not in lowered_quantize()

@@ -425,7 +425,7 @@ def test_complex_or_integer_matrix_is_refused_at_init_naming_it(dtype):
 def test_default_implementation_selects_with_the_kernel_on_hopper_only(monkeypatch, hopper):
   from pallas_kernels import _backend, dispatch
 
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: hopper)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: hopper)
   tx = optax_memopt.scale_by_taco(k=4)
   grads = {"w": jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)}
   text = _backend.lower_for_cuda(tx.update, grads, jax.eval_shape(tx.init, grads))

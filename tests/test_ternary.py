@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pallas_kernels import _ternary_chunks as chunks
-from pallas_kernels import dispatch
+from pallas_kernels import _backend, dispatch
 from pallas_kernels import ternary
 
 pytestmark = pytest.mark.kernels
@@ -301,28 +301,28 @@ def test_inputs_shorter_than_a_kernel_chunk_are_coded_by_every_implementation(
     chex.assert_trees_all_equal(decoded, expected, custom_message=f"seed={seed}, {implementation}")
 
 
-@pytest.mark.parametrize("on_hopper, expected", [(True, "pallas"), (False, "xla")])
-def test_automatic_implementation_follows_the_device(monkeypatch, on_hopper, expected):
-  """``implementation=None`` runs the kernels on a Hopper GPU (faked) and XLA elsewhere."""
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: on_hopper)
-  chosen = []
-
-  def spy(original):
-    def run(*args, implementation, **kwargs):
-      chosen.append(implementation)
-      return original(*args, implementation="xla", **kwargs)
-
-    return run
-
-  monkeypatch.setattr(ternary, "_encode", spy(ternary._encode))
-  monkeypatch.setattr(ternary, "_decode", spy(ternary._decode))
-  x = jnp.linspace(-1.0, 1.0, 100)
-  t = ternary.ternary_encode(x, block_size=32)
-  ternary.ternary_decode(t, size=100, block_size=32)
-  ternary.ternary_round(x, block_size=32)
-  packed = ternary.pack_trits(jnp.zeros(100, jnp.int8))
-  ternary.unpack_trits(packed, size=100)
-  assert chosen == [expected] * 5
+@pytest.mark.parametrize("on_hopper", [True, False])
+def test_automatic_implementation_follows_the_platform(monkeypatch, on_hopper):
+  """``implementation=None``: the kernels in a program lowered for a Hopper GPU (faked), XLA in others."""
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: on_hopper)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "ternary", True)
+  # Large enough for the kernels' whole chunks (a shorter tensor is all tail, done by XLA).
+  size = 4096
+  x = jax.ShapeDtypeStruct((size,), jnp.float32)
+  trits = jax.ShapeDtypeStruct((size,), jnp.int8)
+  encoded_by_xla = lambda x: ternary.ternary_encode(x, block_size=32, implementation="xla")
+  calls = [
+      (lambda x: ternary.ternary_encode(x, block_size=32), x),
+      (lambda x: ternary.ternary_decode(encoded_by_xla(x), size=size, block_size=32), x),
+      (lambda x: ternary.ternary_round(x, block_size=32), x),
+      (lambda t: ternary.pack_trits(t), trits),
+      (lambda t: ternary.unpack_trits(ternary.pack_trits(t, implementation="xla"), size=size), trits),
+  ]
+  # Fresh lambdas: jax.jit caches a function's trace, and the faked generation changes between cases.
+  for fn, arg in calls:
+    assert (_backend.MOSAIC_GPU_CALL in _backend.lower_for_cuda(fn, arg)) == on_hopper
+    on_cpu = jax.jit(fn).trace(arg).lower(lowering_platforms=("cpu",)).as_text()
+    assert _backend.MOSAIC_GPU_CALL not in on_cpu
 
 
 def test_zero_blocks_get_zero_scales_and_trits():

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import _ternary_chunks as chunks
-from pallas_kernels import dispatch
+from pallas_kernels import _backend, dispatch
 from pallas_kernels import ternary
 from pallas_kernels import ternary_adam_update as update_module
 from pallas_kernels import ternary_blocks
@@ -324,22 +324,19 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
 
 @pytest.mark.parametrize("on_hopper", [True, False])
 def test_automatic_implementation_is_xla_while_the_kernel_is_slower(monkeypatch, on_hopper):
-  """``implementation=None`` follows ``dispatch.FASTER_ON_HOPPER``: XLA even on a (faked) Hopper GPU."""
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: on_hopper)
+  """``implementation=None`` follows ``dispatch.FASTER_ON_HOPPER`` in a program lowered for a (faked) Hopper GPU."""
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: on_hopper)
+  # Large enough for the kernel's whole chunks (a shorter tensor is all tail, done by XLA).
+  arguments = _good_arguments() | dict(
+      grad=jnp.ones(4096), momentum=ternary_blocks.zeros((4096,), block_size=32), nu=jnp.zeros(4096)
+  )
+  # A new function per lowering: jax.jit caches a function's trace.
+  lowered = lambda: _backend.lower_for_cuda(lambda: ternary_adam_update(**arguments))
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "ternary_adam_update", False)
-  chosen = []
-  original = update_module._step
-
-  def spy(*args, implementation, **kwargs):
-    chosen.append(implementation)
-    return original(*args, implementation="xla", **kwargs)
-
-  monkeypatch.setattr(update_module, "_step", spy)
-  ternary_adam_update(**_good_arguments())
+  assert _backend.MOSAIC_GPU_CALL not in lowered()
   # Once the kernel is faster, a Hopper GPU runs it.
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "ternary_adam_update", True)
-  ternary_adam_update(**_good_arguments())
-  assert chosen == ["xla", "pallas" if on_hopper else "xla"]
+  assert (_backend.MOSAIC_GPU_CALL in lowered()) == on_hopper
 
 
 def _good_arguments():

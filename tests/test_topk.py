@@ -298,7 +298,7 @@ def test_bad_x_and_size_name_themselves():
 @pytest.fixture
 def on_hopper(monkeypatch):
   """Fakes a Hopper GPU as the default device; returns the lowered program's text of a call."""
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   return monkeypatch
 
 
@@ -322,7 +322,7 @@ def test_auto_on_hopper_follows_the_shipped_table(on_hopper):
 
 
 def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "default_device_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
   monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "block_topk", True)
   text = lowered_block_topk(jax.ShapeDtypeStruct((1000,), jnp.float32), density=0.01, block_size=256)
   assert "mosaic_gpu" not in text

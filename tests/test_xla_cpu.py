@@ -1,11 +1,23 @@
-"""The XLA:CPU scheduling aids: the same values as the plain computation, on "cpu" and elsewhere."""
+"""The XLA:CPU scheduling aids: the same bits as the plain computation, and only in CPU programs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import xla_cpu
+from pallas_kernels import _backend, xla_cpu
+
+
+def assert_same_bits(actual, expected, err_msg=""):
+  """Equal bit patterns: -0.0 is not +0.0, and one NaN is not another."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype and actual.shape == expected.shape
+  np.testing.assert_array_equal(actual.view(np.uint8), expected.view(np.uint8), err_msg=err_msg)
+
+
+def lowered(fn, *args, platform):
+  with _backend.cuda_lowering_context():
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text(debug_info=True)
 
 
 def step(g, m):
@@ -25,26 +37,25 @@ def trees(seed):
   return g, m
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_equals_tree_map_bit_for_bit(monkeypatch, backend, seed):
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+def test_equals_tree_map_bit_for_bit(seed):
   g, m = trees(seed)
   expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
   actual = jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m))(g, m)
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=f"seed={seed}")
-    assert a.dtype == e.dtype
+    assert_same_bits(a, e, err_msg=f"seed={seed}")
 
 
-def test_each_leaf_waits_for_the_previous_leafs_state_on_cpu_only(monkeypatch):
+def test_each_leaf_waits_for_the_previous_leafs_state_in_cpu_programs_only():
   g, m = trees(0)
-  hlo = lambda: jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m)).lower(g, m).as_text()
-  chained = hlo()
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  independent = hlo()
+  fn = lambda g, m: xla_cpu.tree_map(step, g, m)
+  on_cpu, on_cuda = (lowered(fn, g, m, platform=p) for p in ("cpu", "cuda"))
   # The waits are subtractions of a zero computed from the previous state.
-  assert chained.count("subtract") > independent.count("subtract")
+  assert on_cpu.count("subtract") > on_cuda.count("subtract")
+  assert xla_cpu.SCOPE in on_cpu and xla_cpu.SCOPE not in on_cuda
+  assert lowered(lambda g, m: jax.tree.map(step, g, m), g, m, platform="cuda").count("subtract") == on_cuda.count(
+      "subtract"
+  )
 
 
 def test_waits_on_float8_state_are_integer_operations(seed):
@@ -56,12 +67,10 @@ def test_waits_on_float8_state_are_integer_operations(seed):
   got = jax.jit(lambda g, c: xla_cpu.tree_map(lambda g, c: (g, c), g, c))(g, codes)
   expected = jax.tree.map(lambda g, c: (g, c), g, codes)
   for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(e).view(np.uint8))
+    assert_same_bits(a, e)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_waits_for_chooses_what_the_next_leaf_waits_for(monkeypatch, backend, seed):
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+def test_waits_for_chooses_what_the_next_leaf_waits_for(seed):
   g, m = trees(seed)
   waited = []
 
@@ -72,25 +81,26 @@ def test_waits_for_chooses_what_the_next_leaf_waits_for(monkeypatch, backend, se
   expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
   actual = jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m, waits_for=codes_only))(g, m)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
-  # Called between leaves on XLA:CPU only.
-  assert len(waited) == (len(jax.tree.leaves(g)) - 1 if backend == "cpu" else 0)
+    assert_same_bits(a, e)
+  # Called between leaves (traced for every platform, read by the CPU program only).
+  assert len(waited) == len(jax.tree.leaves(g)) - 1
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_written_out_is_the_value(monkeypatch, backend, seed):
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+def test_written_out_is_the_value_and_only_in_cpu_programs(seed):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=(4, 6)), jnp.float32).at[0, 0].set(-0.0)
   for value in (x, x[:0], x.astype(jnp.bfloat16)):
     got = jax.jit(lambda v: xla_cpu.written_out(v * 2))(value)
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(value * 2).view(np.uint8))
+    assert_same_bits(got, value * 2)
+  fn = lambda v: xla_cpu.written_out(v * 2)
+  assert "dynamic_update_slice" in lowered(fn, x, platform="cpu")
+  assert "dynamic_update_slice" not in lowered(fn, x, platform="cuda")
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
 @pytest.mark.parametrize("width", [1, 7, 32, 48, 64, 96, 1000, 1024])
 @pytest.mark.parametrize("reduce,combine", [(jnp.max, jnp.maximum), (jnp.min, jnp.minimum)])
-def test_reduce_row_is_the_reduction(monkeypatch, backend, width, reduce, combine, seed):
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+def test_reduce_row_is_the_reduction(width, reduce, combine, seed):
   x = jnp.asarray(np.random.default_rng(seed).integers(-1000, 1000, size=(3, 2, width)), jnp.int32)
   got = jax.jit(lambda v: xla_cpu.reduce_row(v, reduce, combine))(x)
   np.testing.assert_array_equal(got, np.asarray(reduce(np.asarray(x), axis=-1, keepdims=True)))
+  in_cuda_program = lowered(lambda v: xla_cpu.reduce_row(v, reduce, combine), x, platform="cuda")
+  assert xla_cpu.SCOPE not in in_cuda_program and in_cuda_program.count("stablehlo.reduce") == 1

@@ -1,0 +1,64 @@
+"""One step, lowered on this CPU machine for CUDA and for the CPU, gets each platform's program.
+
+Decisions that depend on the platform (the kernels' default, the XLA:CPU
+scheduling aids) are taken for the platform a program is lowered for, never
+from the process's default backend (``pallas_kernels.dispatch``,
+``pallas_kernels.xla_cpu``).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from optax_memopt.training.optimizers import OPTIMIZERS
+from pallas_kernels import _backend, dispatch, xla_cpu
+
+# The ops the default step of each registered optimizer with kernels calls.
+OPS = {
+    "microadam": ("block_topk", "quantize", "microadam_update"),
+    "taco": ("column_select",),
+    "taco_one_segment": ("column_select",),
+    "ternary_adam": ("ternary_adam_update",),
+    "adamw_8bit": ("lowbit_adamw_update",),
+    "adamw_4bit": ("lowbit_adamw_update",),
+    "adamw_fp8": ("lowbit_adamw_update",),
+}
+# TACO with one segment per row selects by a plain top-k: nothing to aid.
+WITHOUT_CPU_AIDS = {"taco_one_segment"}
+
+# Large enough for every kernel's whole blocks and every quantized state.
+PARAMS = {"kernel": jnp.zeros((64, 4096)), "embedding": jnp.zeros((512, 256)), "bias": jnp.zeros((512,))}
+
+
+def _lowered_step(name: str, platform: str) -> str:
+  tx = OPTIMIZERS[name].build(1e-3, None)
+  state = jax.eval_shape(tx.init, PARAMS)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with _backend.cuda_lowering_context():
+    lowered = jax.jit(step).trace(PARAMS, state, PARAMS).lower(lowering_platforms=(platform,))
+  return lowered.as_text(debug_info=True)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_the_cuda_program_holds_the_tables_kernels_and_no_cpu_aid(monkeypatch, name):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  text = _lowered_step(name, "cuda")
+  assert xla_cpu.SCOPE not in text
+  assert (_backend.MOSAIC_GPU_CALL in text) == any(dispatch.FASTER_ON_HOPPER[op] for op in OPS[name])
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_the_cpu_program_holds_the_cpu_aids_and_no_kernel(monkeypatch, name):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  text = _lowered_step(name, "cpu")
+  assert _backend.MOSAIC_GPU_CALL not in text
+  assert (xla_cpu.SCOPE in text) == (name not in WITHOUT_CPU_AIDS)
+
+
+def test_every_optimizer_with_kernels_is_covered():
+  assert {name for name, spec in OPTIMIZERS.items() if spec.has_kernels} == set(OPS)
