@@ -1,0 +1,163 @@
+"""Every optimizer's step compiled for an H100 on this machine: bytes moved and peak, per parameter.
+
+No GPU is needed: XLA compiles the donated step (update, then
+``optax.apply_updates``) for an H100 target description
+(``optax_memopt.gpu_compile``). On Llama-2-7B-shaped parameters (``--layers``
+of its 32 decoder layers, with its embedding and head) it prints, per
+parameter: the state, the bytes the step moves, those as a ratio to
+``optax.adamw``'s on the same parameters, the step's peak, and its
+temporaries beyond parameters + gradients + state; and whether the step fits
+in the H100's 80 GB. ``--kernels`` also compiles each optimizer with every
+Pallas kernel on (``implementation="pallas"``).
+
+    pip install -e ".[gpu-compile]"
+    python -m benchmarks.h100_compile --layers 32 --param-dtypes float32 bfloat16 --kernels \\
+        --json benchmarks/data/h100_compile_llama2_7b.json
+    python -m benchmarks.h100_compile --render benchmarks/data/h100_compile_llama2_7b.json
+
+The CI lane compiles two layers and fails when an optimizer's bytes ratio or
+temporaries rise by more than 5% over ``benchmarks/data/h100_compile_ci.json``
+(``--check``); a change that lowers them rewrites that file (``--json``) in
+the same commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from flax import nnx  # noqa: E402
+
+from benchmarks import shapes  # noqa: E402
+from optax_memopt.training import model, optimizers  # noqa: E402
+
+# A rise over a committed figure that fails the check: 5%, plus 0.005 bytes
+# per parameter so that a figure near zero (AdamW's temporaries) does not
+# fail on a few bytes.
+TOLERANCE = 0.05
+ABSOLUTE_SLACK = 0.005
+
+
+def llama2_7b_params(layers: int, param_dtype) -> tuple[dict, model.TransformerConfig]:
+  """Llama-2-7B's parameters with ``layers`` decoder layers (``ShapeDtypeStruct`` leaves), and its config."""
+  config = dataclasses.replace(shapes.MODELS["llama2_7b"], n_layers=layers)
+  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(config, rngs=nnx.Rngs(0)))[1])
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(param_dtype)), jax.eval_shape(build))
+  return params, config
+
+
+def measure(name: str, params, config, *, kernels: bool) -> dict:
+  spec = optimizers.get(name)
+  tx = spec.build(1e-3, config, implementation="pallas") if kernels else spec.build(1e-3, config)
+  start = time.perf_counter()
+  program = gpu_compile.compile_step(tx, params)
+  per_param = lambda b: b / program.n_params
+  return {
+      "n_params": program.n_params,
+      "state": per_param(program.state_bytes),
+      "moved": per_param(program.moved_bytes),
+      "peak": per_param(program.peak_bytes),
+      "temporaries": per_param(program.temporaries_bytes),
+      "peak_bytes": program.peak_bytes,
+      "fits": program.peak_bytes <= gpu_compile.device_memory_bytes(),
+      "compile_seconds": round(time.perf_counter() - start, 1),
+  }
+
+
+def render(results: dict) -> str:
+  """Markdown tables (one per parameter dtype) from the JSON results."""
+  out = [f"H100 compile (JAX {results['jax']}), Llama-2-7B shapes with {results['layers']} of 32 layers,"
+         f" {results['n_params'] / 1e9:.2f}B parameters; bytes per parameter."]
+  for dtype, rows in results["rows"].items():
+    adamw = rows["adamw"]["default"]["moved"]
+    kernels = any("pallas" in row for row in rows.values())
+    out += ["", f"**{dtype} parameters**", ""]
+    header = "| optimizer | state | bytes moved | / adamw | peak | temporaries | fits in 80 GB |"
+    rule = "|---|---|---|---|---|---|---|"
+    if kernels:
+      header += " bytes moved, every Pallas kernel on | / adamw |"
+      rule += "---|---|"
+    out += [header, rule]
+    for name, row in rows.items():
+      d = row["default"]
+      line = (f"| {name} | {d['state']:.3f} | {d['moved']:.1f} | {d['moved'] / adamw:.2f} | {d['peak']:.2f}"
+              f" | {d['temporaries']:.3f} | {'yes' if d['fits'] else 'no'} |")
+      if kernels:
+        k = row.get("pallas")
+        line += f" {k['moved']:.1f} | {k['moved'] / adamw:.2f} |" if k else " | |"
+      out.append(line)
+  return "\n".join(out)
+
+
+def regressions(results: dict, committed: dict) -> list[str]:
+  """Each optimizer whose bytes ratio to AdamW or temporaries rose past the tolerance."""
+  found = []
+  for dtype, rows in committed["rows"].items():
+    for name, row in rows.items():
+      for implementation, old in row.items():
+        new = results["rows"].get(dtype, {}).get(name, {}).get(implementation)
+        if new is None:
+          found.append(f"{dtype} {name} {implementation}: not measured")
+          continue
+        old_ratio = old["moved"] / committed["rows"][dtype]["adamw"]["default"]["moved"]
+        new_ratio = new["moved"] / results["rows"][dtype]["adamw"]["default"]["moved"]
+        for label, before, after in (("bytes / adamw", old_ratio, new_ratio),
+                                     ("temporaries", old["temporaries"], new["temporaries"])):
+          if after > before * (1 + TOLERANCE) + (ABSOLUTE_SLACK if label == "temporaries" else 0):
+            found.append(f"{dtype} {name} {implementation}: {label} {before:.3f} -> {after:.3f}")
+  return found
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--layers", type=int, default=32, help="decoder layers of Llama-2-7B's 32")
+  parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+  parser.add_argument("--optimizers", nargs="+", default=None, choices=list(optimizers.OPTIMIZERS),
+                      help="default: all (adamw always, as the baseline)")
+  parser.add_argument("--kernels", action="store_true", help="also compile with every Pallas kernel on")
+  parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+  parser.add_argument("--check", type=pathlib.Path,
+                      help="committed results: exit 1 where a bytes ratio or temporaries rose more than 5%%")
+  parser.add_argument("--render", type=pathlib.Path, help="print the tables of a results file and exit")
+  args = parser.parse_args(argv)
+  if args.render:
+    print(render(json.loads(args.render.read_text())))
+    return 0
+  if args.layers < 1:
+    parser.error(f"--layers: must be >= 1; got {args.layers}")
+
+  names = ["adamw"] + [n for n in (args.optimizers or optimizers.OPTIMIZERS) if n != "adamw"]
+  results = {"jax": jax.__version__, "layers": args.layers, "rows": {}}
+  for dtype in args.param_dtypes:
+    params, config = llama2_7b_params(args.layers, dtype)
+    results["n_params"] = shapes.count(params)
+    rows = results["rows"][dtype] = {}
+    for name in names:
+      rows[name] = {"default": measure(name, params, config, kernels=False)}
+      if args.kernels and optimizers.get(name).has_kernels:
+        rows[name]["pallas"] = measure(name, params, config, kernels=True)
+      print(f"{dtype} {name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
+  print(render(results))
+  if args.json:
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+  if args.check:
+    found = regressions(results, json.loads(args.check.read_text()))
+    if found:
+      print("Regressions over " + str(args.check) + ":\n  " + "\n  ".join(found), file=sys.stderr)
+      return 1
+    print(f"No optimizer's bytes ratio or temporaries rose more than {TOLERANCE:.0%} over {args.check}.")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,331 @@
+"""An optimizer step compiled for an NVIDIA H100 on any machine, and what it costs there.
+
+XLA compiles a program for a GPU that is not present from a description of
+it (``gpu_targets/h100.pbtxt``: 132 SMs, 3.35 TB/s, 80 GB). Nothing runs;
+the result is XLA:GPU's own optimized program (fusions, schedule, buffer
+assignment, Pallas kernels compiled through ptxas). An optimizer step is
+memory-bound, so two figures of that program say what a user gets:
+
+* **bytes moved**: every top-level fusion, custom call and other operation
+  of the optimized entry computation reads its operands and writes its
+  results once (parameters, constants, tuples, get-tuple-element, bitcasts
+  and the second half of an asynchronous pair move nothing; a while loop's
+  body counts once per trip). An upper bound for an operation that reads a
+  slice of an operand, a lower bound for a custom call that reads its
+  input twice. ``optax.adamw`` on float32 parameters moves 28 bytes per
+  parameter this way (reads p, g, m, v; writes p, m, v).
+* **peak**: arguments + outputs - aliased + temporaries of the donated step
+  (``Compiled.memory_analysis``); beyond parameters, gradients and state,
+  what is left is the step's temporaries.
+
+Needs JAX's CUDA plugin at the project's JAX version
+(``pip install "optax-memopt[gpu-compile]"``); a driver or GPU is not
+needed. The plugin's start-up check must be skipped
+(``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``), which importing this module sets
+when JAX's backends are not yet started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from importlib import resources
+from typing import Any, Sequence
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402  (after the environment variable the CUDA plugin reads)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
+
+from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
+from optax_memopt.state_bytes import state_nbytes  # noqa: E402
+
+TARGETS = ("h100",)
+
+INSTALL_HINT = (
+    'pip install "optax-memopt[gpu-compile]" (JAX\'s CUDA plugin at the installed JAX version,'
+    " about 5.5 GB; no GPU or driver needed)"
+)
+
+
+class GpuCompilerMissing(RuntimeError):
+  """JAX's CUDA plugin is not installed or not registered in this process."""
+
+
+@functools.cache
+def target_devices(target: str = "h100", devices: int = 1) -> tuple[Any, ...]:
+  """``devices`` compile-only devices of the GPU ``target`` (one host).
+
+  Raises:
+    ValueError: for an unknown ``target`` or ``devices`` below 1.
+    GpuCompilerMissing: where JAX's CUDA plugin is missing.
+  """
+  if target not in TARGETS:
+    raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}.")
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
+  from jax.experimental.topologies import get_topology_desc
+
+  description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
+  try:
+    topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x1x{devices}")
+  except (NotImplementedError, RuntimeError) as error:
+    raise GpuCompilerMissing(
+        f"Compiling for an {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
+        " and run with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 if JAX started before this module set it."
+    ) from error
+  return tuple(topology.devices)
+
+
+# -- counting the bytes of an optimized HLO module ------------------------------
+
+_BYTES_PER_ELEMENT = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b(pred|[subfc]\d+|f8e\w+?)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Operations that move no memory: names, views, bookkeeping, and the second
+# half of an asynchronous pair (its first half is counted).
+_FREE = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+    "replica-id", "opt-barrier",
+}
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(?:body|calls|to_apply|condition)=%?([\w.\-]+)")
+
+
+def shape_bytes(text: str) -> float:
+  """Bytes of the arrays in an HLO shape such as ``(f32[4,8]{1,0}, u8[16])``."""
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(text):
+    size = _BYTES_PER_ELEMENT.get(dtype, 1 if dtype.startswith("f8") else None)
+    if size is None:
+      raise ValueError(f"unknown HLO element type {dtype!r} in {text!r}")
+    total += size * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _operands(arguments: str) -> list[str]:
+  """The operand names of an instruction's argument list (up to its closing parenthesis)."""
+  depth, end = 1, len(arguments)
+  for i, char in enumerate(arguments):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      end = i
+      break
+  return re.findall(r"%([\w.\-]+)", arguments[:end])
+
+
+def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
+  """The entry computation's name and each computation's instruction lines."""
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    if current is None:
+      match = _COMPUTATION.match(line)
+      if match and "=" not in line.split("(")[0]:
+        current = match.group(2)
+        bodies[current] = []
+        if match.group(1):
+          entry = current
+    elif line.strip() == "}":
+      current = None
+    else:
+      bodies[current].append(line)
+  if entry is None:
+    raise ValueError("the HLO text has no ENTRY computation")
+  return entry, bodies
+
+
+def bytes_moved(hlo: str) -> float:
+  """Bytes an optimized HLO module's entry computation moves through device memory.
+
+  Each top-level operation reads its operands and writes its results once
+  (see the module docstring); a while loop counts its body once per known
+  trip.
+
+  Args:
+    hlo: ``Compiled.as_text()`` of a compiled program.
+
+  Returns:
+    The bytes, in total.
+  """
+  entry, bodies = _computations(hlo)
+
+  def computation_bytes(name: str) -> float:
+    shapes: dict[str, str] = {}
+    total = 0.0
+    for line in bodies[name]:
+      match = _INSTRUCTION.match(line)
+      if not match:
+        continue
+      result, shape, opcode, arguments = match.groups()
+      shapes[result] = shape
+      if opcode in _FREE or opcode.endswith("-done"):
+        continue
+      if opcode == "while":
+        trips = _TRIP_COUNT.search(line)
+        if trips is None:
+          raise ValueError(f"while loop {result} has no known trip count; its bytes cannot be counted")
+        body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+        total += int(trips.group(1)) * computation_bytes(body)
+        continue
+      if opcode in ("call", "conditional"):
+        called = _CALLED.findall(line) or re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[-1])
+        total += max((computation_bytes(c) for c in called if c in bodies), default=0.0)
+        continue
+      total += shape_bytes(shape) + sum(shape_bytes(shapes[o]) for o in _operands(arguments) if o in shapes)
+    return total
+
+  return computation_bytes(entry)
+
+
+# -- one optimizer step, compiled -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """What one donated step ``(params, state, grads) -> (params, state)`` costs on one device.
+
+  Bytes are one device's; ``n_params`` counts the whole model.
+  """
+
+  n_params: int
+  param_bytes: int
+  gradient_bytes: int
+  state_bytes: int
+  moved_bytes: float
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  hlo: str = dataclasses.field(repr=False)
+
+  @property
+  def peak_bytes(self) -> int:
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  @property
+  def temporaries_bytes(self) -> int:
+    """The peak beyond parameters, gradients and state."""
+    return self.peak_bytes - self.param_bytes - self.gradient_bytes - self.state_bytes
+
+
+def _placed(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _per_device_bytes(tree: Any) -> int:
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shard = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shard) * leaf.dtype.itemsize
+  return total
+
+
+def compile_step(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    target: str = "h100",
+    devices: int = 1,
+) -> StepProgram:
+  """Compiles ``tx``'s donated step (update, then ``optax.apply_updates``) for ``target``.
+
+  Args:
+    tx: the optimizer.
+    params: the parameters as arrays or ``jax.ShapeDtypeStruct`` (nothing is
+      allocated); gradients are taken in the same shapes and dtypes.
+    target: the GPU, one of :data:`TARGETS`.
+    devices: devices of one host that the step is sharded over, FSDP-style:
+      each parameter along a dimension ``devices`` divides
+      (:func:`optax_memopt.sharding.split_spec`), the state by
+      :func:`optax_memopt.state_shardings`.
+
+  Returns:
+    The compiled program's :class:`StepProgram`.
+
+  Raises:
+    GpuCompilerMissing: where JAX's CUDA plugin is missing.
+  """
+  device_list = target_devices(target, devices)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  state = jax.eval_shape(tx.init, shapes)
+  if devices == 1:
+    single = SingleDeviceSharding(device_list[0])
+    param_shardings = jax.tree.map(lambda _: single, shapes)
+    state_sharding = jax.tree.map(lambda _: single, state)
+  else:
+    mesh = Mesh(np.array(device_list), ("fsdp",))
+    param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, split_spec(p.shape, mesh)), shapes)
+    state_sharding = state_shardings(state, shapes, param_shardings, mesh)
+  placed_params = _placed(shapes, param_shardings)
+  placed_state = _placed(state, state_sharding)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = (
+      jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_shardings, state_sharding))
+      .lower(placed_params, placed_state, placed_params)
+      .compile()
+  )
+  memory = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  param_bytes = _per_device_bytes(placed_params)
+  return StepProgram(
+      n_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+      param_bytes=param_bytes,
+      gradient_bytes=param_bytes,
+      state_bytes=_per_device_bytes(placed_state),
+      moved_bytes=bytes_moved(hlo),
+      argument_bytes=memory.argument_size_in_bytes,
+      output_bytes=memory.output_size_in_bytes,
+      alias_bytes=memory.alias_size_in_bytes,
+      temp_bytes=memory.temp_size_in_bytes,
+      hlo=hlo,
+  )
+
+
+def device_memory_bytes(target: str = "h100") -> int:
+  """The memory of one ``target`` device, from its description."""
+  description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
+  return int(re.search(r"device_memory_size:\s*(\d+)", description).group(1))
+
+
+def state_bytes_per_param(tx: optax.GradientTransformation, params: Any) -> float:
+  """The whole state's bytes over the number of parameters."""
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  return state_nbytes(jax.eval_shape(tx.init, params)) / n_params
+
+
+def main_table(programs: dict[str, StepProgram], baseline: str = "adamw", *, memory: int | None = None) -> str:
+  """A markdown table of compiled steps, bytes per parameter, moved bytes as a ratio to ``baseline``'s."""
+  lines = [
+      "| optimizer | state | bytes moved | / adamw | peak | temporaries | fits |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  base = programs.get(baseline)
+  for name, program in programs.items():
+    per_param = lambda b: b / program.n_params
+    ratio = f"{program.moved_bytes / base.moved_bytes:.2f}" if base else "-"
+    fits = "-" if memory is None else ("yes" if program.peak_bytes <= memory else "no")
+    lines.append(
+        f"| {name} | {per_param(program.state_bytes):.3f} | {per_param(program.moved_bytes):.1f} | {ratio}"
+        f" | {per_param(program.peak_bytes):.2f} | {per_param(program.temporaries_bytes):.3f} | {fits} |"
+    )
+  return "\n".join(lines)
+
+
+def _names(names: Sequence[str] | None) -> list[str]:
+  from optax_memopt.training import optimizers
+
+  return list(optimizers.OPTIMIZERS) if names is None else list(names)
