@@ -300,7 +300,18 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--devices", type=int, default=1, help="devices the model is sharded over (FSDP)")
   parser.add_argument("--optimizers", nargs="+", default=None, metavar="OPTIMIZER",
                       help=f"a subset of {', '.join(optimizers.OPTIMIZERS)} (default: all)")
+  parser.add_argument("--compile", choices=["h100"], default=None,
+                      help="also compile each optimizer's step for this GPU (no GPU needed; needs the"
+                      " gpu-compile extra) and report XLA's peak per device beside the arithmetic")
   args = parser.parse_args(argv)
+  if args.compile:
+    # Before JAX starts its backends: the module sets the CUDA plugin's environment.
+    from optax_memopt import gpu_compile
+
+    try:
+      gpu_compile.target_devices(args.compile, max(args.devices, 1))
+    except gpu_compile.GpuCompilerMissing as error:
+      parser.exit(2, f"--compile {args.compile}: {error}\n")
 
   if args.model not in MODELS:
     parser.error(f"--model: unknown model {args.model!r}; choose from {', '.join(MODELS)}")
@@ -329,6 +340,14 @@ def main(argv: Sequence[str] | None = None) -> None:
       title=f"{args.model} ({param_dtype.name})",
   )
   print(result)
+  if args.compile:
+    compiled = gpu_compile.peak_report(
+        model_params(args.model, param_dtype), target=args.compile, devices=args.devices,
+        optimizer_names=args.optimizers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+        memory=None if memory is None else memory.nbytes, title=f"{args.model} ({param_dtype.name})",
+    )
+    print()
+    print(compiled)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import functools
 import math
 import os
 import re
+import types
 from importlib import resources
 from typing import Any, Sequence
 
@@ -43,7 +44,6 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
 
 from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
-from optax_memopt.state_bytes import state_nbytes  # noqa: E402
 
 TARGETS = ("h100",)
 
@@ -88,7 +88,7 @@ _BYTES_PER_ELEMENT = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
-_ARRAY = re.compile(r"\b(pred|[subfc]\d+|f8e\w+?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|c\d+|f8e\w+?)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Operations that move no memory: names, views, bookkeeping, and the second
@@ -301,31 +301,117 @@ def device_memory_bytes(target: str = "h100") -> int:
   return int(re.search(r"device_memory_size:\s*(\d+)", description).group(1))
 
 
-def state_bytes_per_param(tx: optax.GradientTransformation, params: Any) -> float:
-  """The whole state's bytes over the number of parameters."""
-  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  return state_nbytes(jax.eval_shape(tx.init, params)) / n_params
+@dataclasses.dataclass(frozen=True)
+class PeakRow:
+  """One optimizer's step on one device of ``target``; ``error`` says why it was not compiled."""
+
+  optimizer: str
+  arithmetic_bytes: int  # Parameters + gradients + state on one device.
+  peak_bytes: int  # XLA's peak of the compiled step on one device.
+  error: str | None = None
+
+  @property
+  def temporaries_bytes(self) -> int:
+    return self.peak_bytes - self.arithmetic_bytes
 
 
-def main_table(programs: dict[str, StepProgram], baseline: str = "adamw", *, memory: int | None = None) -> str:
-  """A markdown table of compiled steps, bytes per parameter, moved bytes as a ratio to ``baseline``'s."""
-  lines = [
-      "| optimizer | state | bytes moved | / adamw | peak | temporaries | fits |",
-      "|---|---|---|---|---|---|---|",
-  ]
-  base = programs.get(baseline)
-  for name, program in programs.items():
-    per_param = lambda b: b / program.n_params
-    ratio = f"{program.moved_bytes / base.moved_bytes:.2f}" if base else "-"
-    fits = "-" if memory is None else ("yes" if program.peak_bytes <= memory else "no")
-    lines.append(
-        f"| {name} | {per_param(program.state_bytes):.3f} | {per_param(program.moved_bytes):.1f} | {ratio}"
-        f" | {per_param(program.peak_bytes):.2f} | {per_param(program.temporaries_bytes):.3f} | {fits} |"
-    )
-  return "\n".join(lines)
+@dataclasses.dataclass(frozen=True)
+class PeakReport:
+  """XLA's peak of every optimizer's step beside the arithmetic; ``str()`` is a markdown table."""
+
+  rows: tuple[PeakRow, ...]
+  n_params: int
+  target: str
+  devices: int
+  memory: int
+  title: str
+
+  def fits(self, optimizer: str) -> bool:
+    (row,) = [r for r in self.rows if r.optimizer == optimizer]
+    return row.error is None and row.peak_bytes <= self.memory
+
+  def __str__(self) -> str:
+    gb = _decimal_bytes
+    lines = [
+        f"{self.title}: {self.n_params:,} parameters, the step compiled by XLA for {self.devices} x"
+        f" {self.target.upper()}; per device, {gb(self.memory)} each",
+        "",
+        "| optimizer | params + grads + state | XLA's peak | temporaries | fits |",
+        "|---|---|---|---|---|",
+    ]
+    for row in self.rows:
+      if row.error is not None:
+        lines.append(f"| {row.optimizer} | {gb(row.arithmetic_bytes)} | not compiled: {row.error} | | |")
+        continue
+      fits = "yes" if row.peak_bytes <= self.memory else "no"
+      lines.append(
+          f"| {row.optimizer} | {gb(row.arithmetic_bytes)} | {gb(row.peak_bytes)} | {gb(row.temporaries_bytes)} | {fits} |"
+      )
+    return "\n".join(lines)
 
 
-def _names(names: Sequence[str] | None) -> list[str]:
+def peak_report(
+    params: Any,
+    *,
+    target: str = "h100",
+    devices: int = 1,
+    optimizer_names: Sequence[str] | None = None,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    memory: int | None = None,
+    title: str = "parameters",
+) -> PeakReport:
+  """Every optimizer's step compiled for ``devices`` GPUs of ``target``: XLA's peak per device.
+
+  The planner's arithmetic (:func:`optax_memopt.fit.report`) counts
+  parameters, gradients and state; the compiled program adds the step's
+  temporaries, as XLA:GPU schedules and assigns them for a device of the
+  target's memory.
+
+  Args:
+    params: the parameters as arrays or ``jax.ShapeDtypeStruct`` (a
+      ``jax.eval_shape`` of the model's initialisation).
+    target: the GPU, one of :data:`TARGETS`.
+    devices: GPUs of one host the step is sharded over, FSDP-style.
+    optimizer_names: entries of ``optax_memopt.training.optimizers.OPTIMIZERS``
+      (default: all of them).
+    n_heads, n_kv_heads: the heads Adam-mini cuts fused query and key
+      kernels into.
+    memory: one device's bytes for the "fits" column (default: the
+      target's, 80 GB for the H100).
+    title: the first line of the printed table.
+
+  Returns:
+    A :class:`PeakReport`.
+
+  Raises:
+    GpuCompilerMissing: where JAX's CUDA plugin is missing.
+  """
   from optax_memopt.training import optimizers
 
-  return list(optimizers.OPTIMIZERS) if names is None else list(names)
+  names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
+  for name in names:
+    optimizers.get(name)
+  target_devices(target, devices)
+  config = types.SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
+  rows = []
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  for name in names:
+    try:
+      tx = optimizers.get(name).build(1e-3, config)
+      jax.eval_shape(tx.init, params)
+    except ValueError as error:
+      rows.append(PeakRow(name, 0, 0, error=str(error)))
+      continue
+    program = compile_step(tx, params, target=target, devices=devices)
+    arithmetic = program.param_bytes + program.gradient_bytes + program.state_bytes
+    rows.append(PeakRow(name, arithmetic, program.peak_bytes))
+  memory = device_memory_bytes(target) if memory is None else memory
+  return PeakReport(tuple(rows), n_params, target, devices, memory, title)
+
+
+def _decimal_bytes(nbytes: float) -> str:
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if abs(nbytes) >= scale:
+      return f"{nbytes / scale:.2f} {unit}"
+  return f"{nbytes:.0f} B"

@@ -1,0 +1,176 @@
+"""Compiling steps for an H100 without a GPU: the byte counter, the step's figures, the planner's option.
+
+The counter is checked on hand-written HLO whose traffic is known, and (where
+JAX's CUDA plugin is installed: the CI's gpu-compile lane sets
+``OPTAX_MEMOPT_GPU_COMPILE=required`` so that a missing plugin fails there
+instead of skipping) on programs XLA compiles for an H100: AdamW moves 28
+bytes per float32 parameter, a scaled copy 8 per element, a sum 4.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from optax_memopt import gpu_compile
+
+
+def _plugin_present() -> bool:
+  try:
+    gpu_compile.target_devices()
+  except gpu_compile.GpuCompilerMissing:
+    return False
+  return True
+
+
+PLUGIN = _plugin_present()
+REQUIRED = os.environ.get("OPTAX_MEMOPT_GPU_COMPILE") == "required"
+needs_plugin = pytest.mark.skipif(
+    not PLUGIN and not REQUIRED, reason="JAX's CUDA plugin is not installed (the gpu-compile extra)"
+)
+
+# An optimized module in XLA's text format: a multi-output fusion over two
+# f32[1024] parameters, a while loop of 3 trips whose body runs one fusion
+# over f32[256], an asynchronous copy pair, and the free operations.
+HLO = """HloModule jit_step, entry_computation_layout={(f32[1024]{0})->f32[1024]{0}}
+
+%fused_add (p0: f32[1024], p1: f32[1024]) -> (f32[1024], bf16[1024]) {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[1024]{0} parameter(1)
+  %add = f32[1024]{0} add(%p0, %p1)
+  %convert = bf16[1024]{0} convert(%add)
+  ROOT %tuple = (f32[1024]{0}, bf16[1024]{0}) tuple(%add, %convert)
+}
+
+%body (state: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %state = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[256]{0} get-tuple-element(%state), index=1
+  %scaled = f32[256]{0} fusion(%x), kind=kLoop, calls=%fused_scale
+  ROOT %next = (s32[], f32[256]{0}) tuple(%i, %scaled)
+}
+
+ENTRY %main (a: f32[1024], b: f32[1024], c: f32[256]) -> (f32[1024], bf16[1024], f32[256]) {
+  %a = f32[1024]{0} parameter(0), sharding={replicated}
+  %b = f32[1024]{0} parameter(1)
+  %c = f32[256]{0} parameter(2)
+  %zero = s32[] constant(0)
+  %fusion = (f32[1024]{0}, bf16[1024]{0}) fusion(%a, %b), kind=kLoop, calls=%fused_add, metadata={op_name="x(y)"}
+  %sum = f32[1024]{0} get-tuple-element(%fusion), index=0
+  %half = bf16[1024]{0} get-tuple-element(%fusion), index=1
+  %view = f32[32,32]{1,0} bitcast(%sum)
+  %init = (s32[], f32[256]{0}) tuple(%zero, %c)
+  %while = (s32[], f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[256]{0} get-tuple-element(%while), index=1
+  %copy-start = (f32[256]{0}, f32[256]{0}, u32[]) copy-start(%out)
+  %copy-done = f32[256]{0} copy-done(%copy-start)
+  ROOT %result = (f32[1024]{0}, bf16[1024]{0}, f32[256]{0}) tuple(%sum, %half, %copy-done)
+}
+"""
+
+
+def test_shape_bytes_counts_every_array_of_a_shape():
+  assert gpu_compile.shape_bytes("f32[4,8]{1,0}") == 128
+  assert gpu_compile.shape_bytes("(bf16[10]{0}, u8[3], s32[], pred[2])") == 20 + 3 + 4 + 2
+  assert gpu_compile.shape_bytes("f8e4m3fn[16]{0}") == 16
+  assert gpu_compile.shape_bytes("s4[6]") == 3
+
+
+def test_bytes_moved_reads_operands_and_writes_results_once_per_top_level_operation():
+  fusion = 2 * 4096 + (4096 + 2048)  # reads a and b, writes the f32 and bf16 results
+  loop = 3 * (1024 + 1024)  # three trips of a fusion reading and writing f32[256]
+  copy = 1024 + (1024 + 1024 + 4)  # copy-start reads f32[256], writes its tuple; copy-done is free
+  assert gpu_compile.bytes_moved(HLO) == fusion + loop + copy
+
+
+def test_a_while_loop_without_a_known_trip_count_is_refused():
+  with pytest.raises(ValueError, match="known trip count"):
+    gpu_compile.bytes_moved(HLO.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))
+
+
+def test_unknown_targets_and_device_counts_are_refused_by_name():
+  with pytest.raises(ValueError, match="target must be one of h100"):
+    gpu_compile.target_devices("a100")
+  with pytest.raises(ValueError, match="devices must be an integer >= 1"):
+    gpu_compile.target_devices("h100", 0)
+
+
+@pytest.mark.skipif(PLUGIN, reason="the CUDA plugin is installed")
+def test_without_the_plugin_the_error_says_how_to_install_it():
+  with pytest.raises(gpu_compile.GpuCompilerMissing, match=r"optax-memopt\[gpu-compile\]"):
+    gpu_compile.compile_step(optax.adamw(1e-3), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)})
+  run = subprocess.run(
+      [sys.executable, "-m", "optax_memopt.fit", "--model", "tiny", "--compile", "h100"],
+      capture_output=True, text=True, timeout=300,
+  )
+  assert run.returncode == 2
+  assert "--compile h100" in run.stderr and "gpu-compile" in run.stderr
+  # Refused before any work: the arithmetic table was not printed.
+  assert "optimizer" not in run.stdout
+
+
+def _compiled(fn, *shapes):
+  (device,) = gpu_compile.target_devices()
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+  return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@needs_plugin
+def test_on_an_h100_program_a_copy_moves_8_bytes_and_a_sum_4_per_element():
+  x = jax.ShapeDtypeStruct((1 << 22,), jnp.float32)
+  assert gpu_compile.bytes_moved(_compiled(lambda x: 2 * x, x)) == 8 * x.size
+  # The sum's partial results add a few bytes per block.
+  assert gpu_compile.bytes_moved(_compiled(jnp.sum, x)) / x.size == pytest.approx(4, rel=1e-2)
+
+
+@needs_plugin
+def test_adamw_moves_28_bytes_per_float32_parameter_with_no_temporaries():
+  params = {"w": jax.ShapeDtypeStruct((1024, 4096), jnp.float32), "b": jax.ShapeDtypeStruct((4096,), jnp.float32)}
+  program = gpu_compile.compile_step(optax.adamw(1e-3), params)
+  assert program.n_params == 1024 * 4096 + 4096
+  assert program.moved_bytes / program.n_params == pytest.approx(28, rel=1e-4)
+  assert program.state_bytes == 8 * program.n_params + 4  # m, v and the step count
+  assert program.param_bytes == program.gradient_bytes == 4 * program.n_params
+  assert 0 <= program.temporaries_bytes < 1e-3 * program.n_params
+
+
+@needs_plugin
+def test_a_sharded_step_is_compiled_per_device():
+  params = {"w": jax.ShapeDtypeStruct((1024, 4096), jnp.float32)}
+  program = gpu_compile.compile_step(optax.adamw(1e-3), params, devices=4)
+  assert program.param_bytes == 4 * 1024 * 4096 // 4
+  assert program.moved_bytes / (program.n_params / 4) == pytest.approx(28, rel=1e-3)
+
+
+@needs_plugin
+def test_peak_report_on_eval_shape_params_and_the_planners_option():
+  import flax.linen as nn
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(10)(nn.relu(nn.Dense(512)(x)))
+
+  params = jax.eval_shape(Mlp().init, jax.random.key(0), jnp.zeros((1, 256)))
+  report = gpu_compile.peak_report(params, optimizer_names=["adamw", "adamw_4bit"], memory=10**9)
+  adamw, lowbit = report.rows
+  n = 256 * 512 + 512 + 512 * 10 + 10
+  assert report.n_params == n
+  assert adamw.arithmetic_bytes == 16 * n + 4  # params, grads, m and v in float32, the count
+  assert adamw.peak_bytes >= adamw.arithmetic_bytes and lowbit.arithmetic_bytes < adamw.arithmetic_bytes
+  assert report.fits("adamw") and "| adamw |" in str(report)
+
+  run = subprocess.run(
+      [sys.executable, "-m", "optax_memopt.fit", "--model", "tiny", "--compile", "h100",
+       "--optimizers", "adamw", "adam_mini"],
+      capture_output=True, text=True, timeout=600,
+  )
+  assert run.returncode == 0, run.stderr
+  assert "XLA's peak" in run.stdout and "| adam_mini |" in run.stdout.split("XLA's peak")[1]
