@@ -207,8 +207,8 @@ def test_tails_threshold_and_dtypes_match_the_numpy_emulation(kind, dtype, seed)
       )
       error = np.abs(np.asarray(updates[name].astype(jnp.float32)) + np.float32(lr) * decayed)
       assert np.all(error <= bound), f"{message}: {np.max(error / bound):.3f} of the bound"
-    if dtype == jnp.bfloat16:
-      break  # bf16 params round differently from the float32 emulation after the first step.
+    # The directions do not depend on the parameters, which the expected
+    # updates read from this run: bfloat16 runs go on past the first step.
     params = optax.apply_updates(params, updates)
 
 
