@@ -11,6 +11,12 @@ by :func:`optax_memopt.state_shardings`; the figures are then one device's.
 Activations, gradient-accumulation buffers and the framework's own memory
 come on top: the "headroom" column is what is left for them.
 
+The ``adamw`` row is the baseline the others compare with: AdamW's ``m`` and
+``v`` in float32, 8 bytes per parameter, whatever the parameters' dtype
+(``optax.adamw`` alone keeps them in the parameters' dtype, which for
+bfloat16 parameters is ``adamw_bf16``'s 4 bytes). Each row names its state's
+dtypes, with the state fields that hold them.
+
     python -m optax_memopt.fit --model llama2_7b --memory 80GiB --param-dtype bfloat16 --devices 8
 """
 
@@ -49,6 +55,11 @@ MODELS: dict[str, model.TransformerConfig] = {
     "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
     "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
 }
+
+# The row whose state is built from float32 copies of the parameters.
+FLOAT32_BASELINE = "adamw"
+# A state's dtypes are listed if they hold at least this share of its bytes.
+LISTED_SHARE = 0.01
 
 _DECIMAL_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _BINARY_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -113,6 +124,7 @@ class Row:
   state_bytes: int  # On one device.
   state_bytes_per_param: float  # The whole state over the number of parameters.
   error: str | None = None
+  state_dtypes: str = ""  # For example "uint8 (mu, nu), float32 (mu_scales, nu_scales)".
 
   @property
   def total_bytes(self) -> int:
@@ -146,7 +158,7 @@ class FitReport:
     where = f"per device, sharded over {self.devices} devices" if self.devices > 1 else "one device"
     lines = [f"{self.title}: {self.n_params:,} parameters; {where}"
              + (f", {size(self.memory.nbytes)} each" if self.memory else "")]
-    header = ["optimizer", "state B/param", "parameters", "gradients", "optimizer state", "total"]
+    header = ["optimizer", "state dtypes", "state B/param", "parameters", "gradients", "optimizer state", "total"]
     if self.memory:
       header += ["headroom", "fits"]
     lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -154,7 +166,7 @@ class FitReport:
       if row.error:
         lines.append(f"| {row.optimizer} | cannot be built: {row.error} |" + " |" * (len(header) - 2))
         continue
-      cells = [row.optimizer, f"{row.state_bytes_per_param:.3f}", size(row.param_bytes),
+      cells = [row.optimizer, row.state_dtypes, f"{row.state_bytes_per_param:.3f}", size(row.param_bytes),
                size(row.gradient_bytes), size(row.state_bytes), size(row.total_bytes)]
       if self.memory:
         cells += [size(self.memory.nbytes - row.total_bytes), "yes" if self.fits(row.optimizer) else "no"]
@@ -178,6 +190,24 @@ def _abstract(params: Any, param_dtype: Any) -> Any:
     return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype)
 
   return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def _state_dtypes(state: Any) -> str:
+  """The state's dtypes, largest share of its bytes first, each with its fields (``mu``, ``nu``).
+
+  A field is the name of the state attribute nearest the leaf; dtypes under
+  :data:`LISTED_SHARE` of the state's bytes (step counts, keys) are left out.
+  """
+  total = max(state_nbytes(state), 1)
+  by_dtype: dict[str, dict[str, int]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    field = next((key.name for key in reversed(path) if isinstance(key, jax.tree_util.GetAttrKey)), "state")
+    fields = by_dtype.setdefault(jnp.dtype(leaf.dtype).name, {})
+    fields[field] = fields.get(field, 0) + state_nbytes(leaf)
+  ranked = sorted(by_dtype.items(), key=lambda item: -sum(item[1].values()))
+  return ", ".join(
+      f"{dtype} ({', '.join(fields)})" for dtype, fields in ranked if sum(fields.values()) >= LISTED_SHARE * total
+  )
 
 
 def _shard_nbytes(leaf: Any, sharding: NamedSharding) -> int:
@@ -227,7 +257,8 @@ def report(
       :func:`optax_memopt.state_shardings`.
     param_dtype: dtype of the floating-point parameters (and gradients), for
       example ``"bfloat16"``; ``None`` (default) keeps the given dtypes.
-      Optimizers such as ``optax.adamw`` keep their moments in this dtype.
+      Optimizers such as ``adamw_bf16`` keep some moments in this dtype;
+      the ``adamw`` baseline keeps float32 moments.
     n_heads, n_kv_heads: query and key/value heads, which Adam-mini needs to
       cut fused query and key kernels into heads (default ``None``: no fused
       kernels to cut).
@@ -274,16 +305,20 @@ def report(
 
   rows = []
   for name in names:
+    # The baseline's m and v in float32: optax.adamw takes their dtype from
+    # the parameters it is initialised with.
+    init_shapes = _abstract(shapes, jnp.float32) if name == FLOAT32_BASELINE else shapes
     try:
-      state = jax.eval_shape(optimizers.get(name).build(1e-3, config).init, shapes)
+      state = jax.eval_shape(optimizers.get(name).build(1e-3, config).init, init_shapes)
     except ValueError as error:
       rows.append(Row(name, param_bytes, param_bytes, 0, 0.0, error=str(error)))
       continue
     total_state = state_nbytes(state)
     state_bytes = total_state
     if mesh is not None:
-      state_bytes = _per_device_nbytes(state, state_shardings(state, shapes, param_shardings, mesh))
-    rows.append(Row(name, param_bytes, param_bytes, state_bytes, total_state / n_params))
+      state_bytes = _per_device_nbytes(state, state_shardings(state, init_shapes, param_shardings, mesh))
+    rows.append(Row(name, param_bytes, param_bytes, state_bytes, total_state / n_params,
+                    state_dtypes=_state_dtypes(state)))
   return FitReport(tuple(rows), n_params, devices, device_memory, title)
 
 

@@ -66,14 +66,104 @@ def test_llama2_7b_bytes_match_arithmetic_and_nothing_is_allocated(llama2_7b):
   assert sharded.fits("adamw")
 
 
-def test_param_dtype_sets_params_gradients_and_adamw_moments():
+def test_param_dtype_sets_params_and_gradients_and_the_baseline_keeps_float32_moments():
   params = {"w": jnp.zeros((96, 40)), "b": jnp.zeros((40,))}
   n = 96 * 40 + 40
-  row = fit.report(params, param_dtype="bfloat16", optimizer_names=["adamw"]).row("adamw")
-  # optax.adamw keeps m and v in the parameters' dtype.
-  assert (row.param_bytes, row.gradient_bytes, row.state_bytes) == (2 * n, 2 * n, 4 * n + 4)
-  row = fit.report(params, optimizer_names=["adamw"]).row("adamw")
-  assert (row.param_bytes, row.state_bytes) == (4 * n, 8 * n + 4)
+  result = fit.report(params, param_dtype="bfloat16", optimizer_names=["adamw", "adamw_bf16"])
+  # The baseline is AdamW's 8 bytes per parameter, whatever the parameters' dtype.
+  row = result.row("adamw")
+  assert (row.param_bytes, row.gradient_bytes, row.state_bytes) == (2 * n, 2 * n, 8 * n + 4)
+  assert row.state_dtypes == "float32 (mu, nu)"
+  # optax.adamw with mu_dtype=bfloat16 keeps v in the parameters' dtype.
+  row = result.row("adamw_bf16")
+  assert (row.param_bytes, row.state_bytes, row.state_dtypes) == (2 * n, 4 * n + 4, "bfloat16 (mu, nu)")
+  assert f"| adamw | float32 (mu, nu) | {(8 * n + 4) / n:.3f} |" in str(result)
+  row = fit.report(params, optimizer_names=["adamw_bf16"]).row("adamw_bf16")
+  assert (row.param_bytes, row.state_bytes, row.state_dtypes) == (4 * n, 6 * n + 4, "float32 (nu), bfloat16 (mu)")
+
+
+# A dense layer in Flax's layout: a (512, 256) kernel and a bias. Over 4
+# devices every dimension of it splits (the parameters' rows, FSDP-style).
+ROWS, COLUMNS, DEVICES = 512, 256, 4
+
+
+def dense_layer_state_bytes(name: str, param_bytes: int, devices: int) -> int:
+  """One device's state bytes for the dense layer, from each optimizer's documented state.
+
+  ``split(x)`` is a part cut over the devices with its parameter, ``whole(x)``
+  one every device holds (step counts, keys, one-entry leaves, and leaves
+  with nothing to split: Adam-mini's one row of per-neuron ``v``, MicroAdam's
+  three top-k slots of the bias).
+  """
+  split = lambda nbytes: nbytes // devices
+  whole = lambda nbytes: nbytes
+  r, c = ROWS, COLUMNS
+  kernel, bias = r * c, c
+  count = whole(4)
+  # Default blocks: 256 (8-bit, fp8) and 128 (4-bit) of the kernel; the bias
+  # (under 4096 elements) keeps float32 m and v.
+  lowbit_bias = split(8 * bias)
+  formulas = {
+      # m and v in float32: the baseline.
+      "adamw": split(8 * (kernel + bias)) + count,
+      # m in bfloat16, v in the parameters' dtype.
+      "adamw_bf16": split((2 + param_bytes) * (kernel + bias)) + count,
+      # Factored v of the kernel (one per row and one per column, and a
+      # one-entry placeholder), full v of the bias (two one-entry
+      # placeholders), in the parameters' dtype.
+      "adafactor": split(param_bytes * (r + c)) + whole(param_bytes) + split(param_bytes * c)
+      + whole(2 * param_bytes) + count,
+      # A window of 10 top-k slots (int16 index, bfloat16 value), k = 1% of
+      # each block of 16384 rounded up: 8 blocks of 164 for the kernel, 3 for
+      # the bias; 4-bit error feedback (half a byte per element) with a
+      # bfloat16 minimum and maximum per bucket of 1024.
+      "microadam": split(10 * 8 * 164 * 4) + whole(10 * 3 * 4) + split(kernel // 2 + bias // 2)
+      + split(2 * 2 * kernel // 1024) + whole(2 * 2) + count,
+      # m like the parameters; v per output neuron of the kernel (one row of
+      # 256, float32), per element of the bias.
+      "adam_mini": split(param_bytes * (kernel + bias)) + whole(4 * c) + split(4 * bias) + count,
+      # Kernel: m as base-3 trits, 5 per byte, in blocks of 128 (26 bytes)
+      # with a float32 scale each; v factored in float32 (rows and columns).
+      # Bias (below min_size): float32 m and v. A two-word key.
+      "ternary_adam": split(r * (c // 128) * (26 + 4)) + split(4 * (r + c)) + split(8 * bias)
+      + whole(8) + count,
+      # Kernel: per input feature (row) 16 parts of one slot, an int16 index
+      # and a float8 momentum each, and a bfloat16 scale. Bias: Adam's m and v
+      # in the parameters' dtype. Two step counts.
+      "taco": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
+      # One part of 16 slots: the same bytes.
+      "taco_one_segment": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
+      "adamw_8bit": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
+      # One byte holds both 4-bit codes.
+      "adamw_4bit": split(kernel + 2 * 4 * kernel // 128) + lowbit_bias + count,
+      "adamw_fp8": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
+  }
+  return formulas[name]
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("devices", [1, DEVICES])
+def test_every_optimizers_state_bytes_follow_its_formula(param_dtype, devices):
+  params = {"dense": {"kernel": jnp.zeros((ROWS, COLUMNS)), "bias": jnp.zeros((COLUMNS,))}}
+  param_bytes = jnp.dtype(param_dtype).itemsize
+  result = fit.report(params, param_dtype=param_dtype, devices=devices)
+  assert [row.optimizer for row in result.rows] == list(optimizers.OPTIMIZERS)
+  n = ROWS * COLUMNS + COLUMNS
+  for row in result.rows:
+    assert row.error is None, row
+    assert row.param_bytes == row.gradient_bytes == param_bytes * n // devices, row.optimizer
+    assert row.state_bytes == dense_layer_state_bytes(row.optimizer, param_bytes, devices), row.optimizer
+    whole_state = dense_layer_state_bytes(row.optimizer, param_bytes, 1)
+    assert row.state_bytes_per_param == pytest.approx(whole_state / n, rel=1e-12), row.optimizer
+
+
+def test_headroom_is_memory_less_total_and_negative_when_it_does_not_fit():
+  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+  total = 4 * 4096 * 2 + 8 * 4096 + 4  # parameters, gradients, m and v, step count
+  roomy = str(fit.report(params, memory="128KiB", optimizer_names=["adamw"]))
+  assert f"| {(128 * 1024 - total) / 1024:.2f} KiB | yes |" in roomy
+  tight = str(fit.report(params, memory=total - 1000, optimizer_names=["adamw"]))
+  assert "| -1000.00 B | no |" in tight
 
 
 def test_sharded_bytes_are_one_devices_share(seed):
@@ -171,3 +261,36 @@ def test_cli_prints_a_row_per_optimizer(capsys):
   assert out.startswith("tiny (float32): 25,696 parameters; per device, sharded over 2 devices, 300.00 KB each")
   rows = [line for line in out.splitlines() if line.startswith("| adamw |") or line.startswith("| microadam |")]
   assert len(rows) == 2 and all(row.endswith("| yes |") for row in rows)
+
+
+def table_row(out: str, optimizer: str) -> list[str]:
+  """The cells of ``optimizer``'s row in a printed table."""
+  (line,) = [line for line in out.splitlines() if line.startswith(f"| {optimizer} |")]
+  return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+# Adam-mini's second moments of the tiny model: per token of the embedding
+# (256); per query head (4) and key/value head (2) of the query and key; per
+# output neuron of the value (16), output (32), gate and up (64 each), down
+# (32) and head (256) kernels; one per norm (3).
+TINY_ADAM_MINI_BLOCKS = 256 + 4 + 2 + 16 + 32 + 64 + 64 + 32 + 256 + 3
+
+
+def test_cli_hands_the_head_counts_to_adam_mini(capsys):
+  fit.main(["--model", "tiny", "--optimizers", "adam_mini"])
+  cells = table_row(capsys.readouterr().out, "adam_mini")
+  assert "cannot be built" not in cells[1], cells
+  n = 25_696
+  # m like the float32 parameters, float32 v per block, the step count.
+  state = 4 * n + 4 * TINY_ADAM_MINI_BLOCKS + 4
+  assert cells[1:3] == ["float32 (mu, nu)", f"{state / n:.3f}"], cells
+  assert cells[5] == f"{state / 1024:.2f} KiB", cells
+
+
+def test_cli_builds_adam_mini_for_every_llama_model(capsys):
+  for name in ("llama2_7b", "llama2_13b"):
+    fit.main(["--model", name, "--param-dtype", "bfloat16", "--optimizers", "adam_mini"])
+    cells = table_row(capsys.readouterr().out, "adam_mini")
+    assert not cells[1].startswith("cannot be built"), cells
+    # m in bfloat16, a small share of float32 v.
+    assert cells[1] == "bfloat16 (mu)" and cells[2] == "2.001", cells

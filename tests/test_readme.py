@@ -63,3 +63,19 @@ def test_ci_runs_the_readme_test_command():
   ci = (ROOT / ".ci" / "run").read_text()
   assert re.search(rf"^pip install( -q)? {re.escape(install.removeprefix('pip install '))}$", ci, flags=re.M)
   assert re.search(rf"^{re.escape(run)}$", ci, flags=re.M)
+
+
+def test_fit_example_prints_what_its_comment_says(tmp_path):
+  """The planner's example names the optimizers that fit and those that do not, as its table does."""
+  (code,) = [code for _, code in BLOCKS if "fit.report(" in code]
+  fits = re.search(r"^# fits: (.+)$", code, flags=re.M).group(1).split(", ")
+  misses = re.search(r"^# \(not (.+?):", code, flags=re.M).group(1).split(", ")
+  done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in done.stdout.splitlines()
+          if line.startswith("| ") and not line.startswith("| optimizer |")]
+  verdicts = {cells[0]: cells[-1] for cells in rows}
+  assert sorted(fits + misses) == sorted(verdicts), verdicts
+  assert {name: verdicts[name] for name in fits + misses} == {
+      **{name: "yes" for name in fits}, **{name: "no" for name in misses}
+  }, done.stdout
