@@ -41,7 +41,11 @@ to exactly zero, as the reference's initial state.
 
 Implementations (``implementation=``):
 
-* ``"xla"``: :func:`lowbit_adamw_update_reference`.
+* ``"xla"``: :func:`lowbit_adamw_update_reference`. In a GPU program the
+  new moments are computed twice (:func:`_codes_zero`): one pass over
+  memory reads ``g`` and the codes for the blocks' absmax and the direction,
+  a second reads them again and writes the codes, and no float32 moment is
+  written between them.
 * ``"pallas"``: one Mosaic GPU kernel (``plgpu.kernel``), one program per
   block: per row of the block it decodes both moments, updates them, writes
   the direction and keeps the new moments in shared memory, then, once the
@@ -215,7 +219,10 @@ def adamw_moments(
   rounded on its own, as in the reference, when ``count`` is an array (as in
   an optimizer's state); a Python ``count`` lets the compiler fuse them.
   """
-  zero = _opaque_zero(count)
+  return _moments(grad, mu, nu, b1, b2, _opaque_zero(count))
+
+
+def _moments(grad, mu, nu, b1, b2, zero) -> tuple[jax.Array, jax.Array]:
   g = grad.astype(jnp.float32)
   return (
       _lerp(_rounded(mu, zero), g, _one_minus(b1), zero),
@@ -226,6 +233,21 @@ def adamw_moments(
 def adamw_direction(mu: jax.Array, nu: jax.Array, *, count: Any, b1: Any, b2: Any, eps: Any) -> jax.Array:
   """``(mu / (1 - b1**t)) / (sqrt(nu) / sqrt(1 - b2**t) + eps)`` in float32."""
   return _direction(mu, jnp.sqrt(nu), *_bias_corrections(count, b1, b2), eps)
+
+
+def _codes_zero(count: jax.Array) -> jax.Array:
+  """The zero under which the reference computes the moments it encodes.
+
+  A block's codes need its absmax, so they are written in a second pass over
+  memory. In a GPU program this zero is one that XLA cannot tell equal to
+  :func:`_opaque_zero`'s: the moments are then computed twice, and XLA decodes
+  and updates again in the pass that writes the codes (reading ``g`` and the
+  codes again) rather than writing float32 moments out and reading them back.
+  Elsewhere it is the same zero, and the moments are computed once: XLA:CPU's
+  step is bound by the table reads of decoding, not by memory.
+  """
+  recomputed = lambda count: _opaque_zero(count >> 1)  # count >= 1: count >> 1 >= 0.
+  return lax.platform_dependent(count, cuda=recomputed, rocm=recomputed, default=_opaque_zero)
 
 
 # Block views.
@@ -279,24 +301,25 @@ def lowbit_adamw_update_reference(
     elementwise there, so the codes keep the tensor's layout and sharding."""
     return _from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
 
-  def encode(values, code):
-    scales = quantize.map_scales(_as_blocks(values, blocks, block_size), code=code)
-    return quantize.map_encode(values, per_element(scales), code=code), scales
-
   mu_codes, nu_codes = _split_codes(moments, state_format)
-  mu, nu = adamw_moments(
-      grad,
-      quantize.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code),
-      quantize.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code),
-      count=count,
-      b1=b1,
-      b2=b2,
-  )
-  (mu_codes, mu_scales), (nu_codes, nu_scales) = encode(mu, state.mu_code), encode(nu, state.nu_code)
+
+  def new_moments(zero):
+    mu = quantize.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code)
+    nu = quantize.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code)
+    return _moments(grad, mu, nu, b1, b2, zero)
+
+  count = jnp.asarray(count)
+  mu, nu = new_moments(_opaque_zero(count))
+  scales = [
+      quantize.map_scales(_as_blocks(x, blocks, block_size), code=code)
+      for x, code in ((mu, state.mu_code), (nu, state.nu_code))
+  ]
+  codes = [
+      quantize.map_encode(x, per_element(s), code=code)
+      for x, s, code in zip(new_moments(_codes_zero(count)), scales, (state.mu_code, state.nu_code))
+  ]
   direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
-  return direction.astype(grad.dtype), LowbitMoments(
-      *_join_codes(mu_codes, nu_codes, state_format), mu_scales, nu_scales
-  )
+  return direction.astype(grad.dtype), LowbitMoments(*_join_codes(*codes, state_format), *scales)
 
 
 def _describe(array: Any) -> str:

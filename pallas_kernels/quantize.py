@@ -1111,6 +1111,33 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
   return _divide(scales, FLOAT8_MAX) if code == FLOAT8_CODE else scales
 
 
+def _float8_magnitude_code(magnitudes: jax.Array) -> jax.Array:
+  """The float8 bits (int32) of non-negative float32 ``magnitudes``: :func:`nearest_map_code`'s.
+
+  The conversion, after saturating at 448 (NaN gets 0); on XLA:CPU, which
+  converts to float8 in software, the table read of :func:`nearest_map_code`
+  (equal for every float32). The conversion is elementwise, so a GPU
+  program can write the codes into the buffer of the codes they replace.
+  """
+
+  def converted(magnitudes):
+    saturated = jnp.where(jnp.isnan(magnitudes), 0.0, jnp.minimum(magnitudes, FLOAT8_MAX))
+    return lax.bitcast_convert_type(saturated.astype(jnp.float8_e4m3fn), jnp.uint8).astype(jnp.int32)
+
+  return lax.platform_dependent(
+      magnitudes, cpu=functools.partial(nearest_map_code, code=FLOAT8_CODE), default=converted
+  )
+
+
+def _float8_values(codes: jax.Array) -> jax.Array:
+  """float8 e4m3fn ``codes`` as float32: converted, or on XLA:CPU (software float8) read from :data:`FLOAT8_VALUES`."""
+
+  def by_table(codes):
+    return jnp.asarray(FLOAT8_VALUES)[lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)]
+
+  return lax.platform_dependent(codes, cpu=by_table, default=lambda codes: codes.astype(jnp.float32))
+
+
 def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   """Codes of float32 ``values`` under ``scales`` (broadcast to ``values``), in ``code_dtype(code)``.
 
@@ -1124,19 +1151,15 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   if code == FLOAT8_CODE:
     # The sign of x / s is x's (s > 0).
     sign = (lax.bitcast_convert_type(values, jnp.uint32) >> 31).astype(jnp.int32) << 7
-    codes = (nearest_map_code(jnp.abs(ratios), code) | sign).astype(jnp.uint8)
+    codes = (_float8_magnitude_code(jnp.abs(ratios)) | sign).astype(jnp.uint8)
     return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
   return nearest_map_code(ratios, code).astype(jnp.uint8)
 
 
 def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
-  """``map[codes] * scales``, float32; for float8 the map is :data:`FLOAT8_VALUES`.
-
-  One table read per element for every code: float8 too, which XLA:CPU
-  would otherwise convert in software, several times slower.
-  """
+  """``map[codes] * scales``, float32; float8 codes converted (:func:`_float8_values`)."""
   if code == FLOAT8_CODE:
-    return jnp.asarray(FLOAT8_VALUES)[lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)] * scales
+    return _float8_values(codes) * scales
   return jnp.asarray(CODE_MAPS[code])[codes.astype(jnp.int32)] * scales
 
 
