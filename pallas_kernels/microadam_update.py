@@ -24,8 +24,10 @@ with ``u = 0`` where no row has an entry (``S = 0``).
 implementations of ``microadam_update`` (``implementation=``) fold ``c_1`` and
 ``c_2`` into per-row weights (``window_weights``):
 
-* ``"xla"``: one scatter-add of every ring row at once into a dense ``[d, 2]``
-  accumulator (``M`` and ``S`` side by side), then the elementwise update.
+* ``"xla"``: no dense ``M`` or ``S``. Each block's ``window * k`` entries are
+  sorted by index (a row holds an index at most once, so an index's entries
+  are at most ``window`` adjacent ones), summed per index, and the finished
+  direction is scattered into a dense zero update, once per index.
 * ``"pallas"``: a Mosaic GPU kernel, one program per top-k block (as the
   reference CUDA kernel ``compute_microadam_update``): fp32 ``M`` and ``S``
   for the block live in shared memory (8 bytes per element, so a block of at
@@ -181,19 +183,80 @@ def microadam_update_reference(
   return jnp.where(second == 0, 0.0, first / (jnp.sqrt(second) + eps))
 
 
+def _by_block(ring: jax.Array, *, k: int, full_blocks: int) -> list[jax.Array]:
+  """A ring ``[window, K]`` as blocks of the window's entries: ``[blocks, window * keep]``.
+
+  The full blocks (``k`` entries per row each) and the tail block (the rest);
+  entry ``r * keep + j`` of a block is entry ``j`` of that block in ring row
+  ``r``.
+  """
+  window, n_entries = ring.shape
+  parts = []
+  if full_blocks:
+    full = ring[:, : full_blocks * k].reshape(window, full_blocks, k)
+    parts.append(full.transpose(1, 0, 2).reshape(full_blocks, window * k))
+  if n_entries > full_blocks * k:
+    parts.append(ring[:, full_blocks * k :].reshape(1, -1))
+  return parts
+
+
+def _sorted_by_index(local: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+  """Each block's entries ordered by (block-local index, entry): the indices and the entries.
+
+  Equal indices end up adjacent, in ring-row order. The pair is packed in
+  one int32 key where it fits, which XLA sorts as plain integers.
+  """
+  n = local.shape[1]
+  entry = lax.broadcasted_iota(jnp.int32, local.shape, 1)
+  if block_size * n <= jnp.iinfo(jnp.int32).max:
+    key = lax.sort(local * n + entry, dimension=1)
+    return key // n, key % n
+  return lax.sort((local, entry), dimension=1, num_keys=1, is_stable=True)
+
+
 def _update_xla(indices, values, weights, eps, *, size, block_size, k):
-  window, n_entries = indices.shape
-  positions = flat_positions(indices, k=k, block_size=block_size)
-  values = values.astype(jnp.float32)
-  contributions = jnp.stack(
-      [weights[0][:, None] * values, weights[1][:, None] * values**2], axis=-1
+  """The direction at the window's entries only, scattered into a dense zero update.
+
+  ``M`` and ``S`` are summed per block-local index over the entries of a
+  block (sorted by index, equal indices adjacent: a row holds an index at
+  most once, so an index's entries are at most ``window`` consecutive
+  ones), and the finished direction is written once per index. Nothing
+  dense but the update is built.
+  """
+  window = indices.shape[0]
+  full_blocks = size // block_size
+  positions, directions = [], []
+  for first_block, (local, ring_values) in zip(
+      (0, full_blocks),
+      zip(_by_block(indices, k=k, full_blocks=full_blocks),
+          _by_block(values, k=k, full_blocks=full_blocks)),
+  ):
+    local, entry = _sorted_by_index(local.astype(jnp.int32), block_size)
+    keep = local.shape[1] // window
+    value = jnp.take_along_axis(ring_values, entry, axis=1).astype(jnp.float32)
+    row = entry // keep
+    first, second = weights[0][row] * value, weights[1][row] * value * value
+    # The run of an index starts at its first entry and spans at most the
+    # window; sums in ring-row order, as the reference adds its rows.
+    pad = ((0, 0), (0, window - 1))
+    padded_local = jnp.pad(local, pad, constant_values=-1)
+    padded_first, padded_second = jnp.pad(first, pad), jnp.pad(second, pad)
+    moments = [jnp.zeros_like(first), jnp.zeros_like(second)]
+    for shift in range(window):
+      same = lax.slice_in_dim(padded_local, shift, shift + local.shape[1], axis=1) == local
+      for m, padded in enumerate((padded_first, padded_second)):
+        term = lax.slice_in_dim(padded, shift, shift + local.shape[1], axis=1)
+        moments[m] = moments[m] + jnp.where(same, term, 0.0)
+    previous = jnp.pad(local[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    block = first_block + lax.broadcasted_iota(jnp.int32, local.shape, 0)
+    # Later entries of a run aim past the end and are dropped by the scatter.
+    positions.append(jnp.where(local != previous, block * block_size + local, size).reshape(-1))
+    directions.append(_update_from_moments(*moments, eps).reshape(-1))
+  return (
+      jnp.zeros((size,), jnp.float32)
+      .at[jnp.concatenate(positions)]
+      .set(jnp.concatenate(directions), mode="drop")
   )
-  moments = (
-      jnp.zeros((size, 2), jnp.float32)
-      .at[positions.reshape(-1)]
-      .add(contributions.reshape(window * n_entries, 2))
-  )
-  return _update_from_moments(moments[:, 0], moments[:, 1], eps)
 
 
 def _row(row) -> pl.Slice:
