@@ -129,9 +129,13 @@ def _after(x: Any, token: jax.Array) -> Any:
   return bits if bits.dtype == x.dtype else lax.bitcast_convert_type(bits, x.dtype)
 
 
-def _waits(x: Any, token: jax.Array) -> Any:
-  """``x``, computed after ``token`` in a program lowered for the CPU."""
-  return _on_xla_cpu(x, _after, token) if _is_numeric_array(x) else x
+def _wait(arrays: list[Any], token: jax.Array) -> list[Any]:
+  """``arrays``, computed after ``token`` in a program lowered for the CPU.
+
+  One platform-dependent branch for a leaf's arrays, not one per array:
+  each is traced for every platform.
+  """
+  return _on_xla_cpu(arrays, lambda arrays, token: [_after(x, token) for x in arrays], token)
 
 
 def _state(direction: Any, *state: Any) -> tuple[Any, ...]:
@@ -165,6 +169,10 @@ def tree_map(
   for args in zip(*columns):
     if results:
       token = _zero_after(waits_for(*results[-1]))
-      args = [jax.tree.map(lambda x: _waits(x, token), arg) for arg in args]
+      flat, structure = jax.tree.flatten(args)
+      numeric = [i for i, x in enumerate(flat) if _is_numeric_array(x)]
+      for i, x in zip(numeric, _wait([flat[i] for i in numeric], token)):
+        flat[i] = x
+      args = jax.tree.unflatten(structure, flat)
     results.append(step(*args))
   return treedef.unflatten(results)
