@@ -25,14 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import microadam_update, quantize, ternary, topk
+from pallas_kernels import microadam_update, quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
 
 TOPK_BLOCK, TOPK_DENSITY = 16384, 0.01
 BUCKET = 1024
-TERNARY_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +73,6 @@ def _cases() -> list[KernelCase]:
             lambda q, y, implementation, bits=bits: quantize.dequantize_add(
                 q, y, bits=bits, bucket_size=BUCKET, implementation=implementation),
             lambda n, bits=bits: 8 * n + n * bits // 8,
-        ),
-    ]
-  for packing in ternary.PACKINGS:
-    per_byte = 5 if packing == "base3" else 4
-    cases += [
-        KernelCase(
-            f"ternary_encode {packing} stochastic",
-            lambda key, n: (_normal(key, n), jax.random.fold_in(key, 7)),
-            lambda x, key, implementation, packing=packing: ternary.ternary_encode(
-                x, block_size=TERNARY_BLOCK, key=key, packing=packing, implementation=implementation),
-            lambda n, per_byte=per_byte: 4 * n + n // per_byte,
-        ),
-        KernelCase(
-            f"ternary_decode {packing}",
-            lambda key, n, packing=packing: (ternary.ternary_encode(
-                _normal(key, n), block_size=TERNARY_BLOCK, packing=packing, implementation="xla"),),
-            lambda t, implementation, packing=packing: ternary.ternary_decode(
-                t, size=t.scales.size * TERNARY_BLOCK, block_size=TERNARY_BLOCK,
-                packing=packing, implementation=implementation),
-            lambda n, per_byte=per_byte: 4 * n + n // per_byte,
         ),
     ]
   window = 10

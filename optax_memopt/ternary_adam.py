@@ -39,7 +39,7 @@ built from pieces the low-precision optimizer literature supports.
 * **Blocks of 128** by default, as in 4-bit AdamW: smaller blocks put fewer
   large entries beside each small one (less rounding noise) but cost 4 bytes
   of scale per block; 64, 128 and 256 trained alike at ``b1 = 0.5``.
-* **Block-major layout** (``pallas_kernels.ternary_blocks``): when blocks
+* **Block-major layout** (``pallas_kernels.ternary``): when blocks
   tile the last axis of a tensor ``(..., n)`` the trits are shaped
   ``(..., n // block_size, bytes)``, so the moment shards along the same
   axes as its parameter (``optax_memopt.state_shardings``).
@@ -52,12 +52,12 @@ for float32 AdamW (``optax_memopt.ternary_adam_state`` describes the state's
 trees).
 
 The step of each large tensor (decode ``m``, update ``m`` and ``nu``, the
-direction, stochastic re-encoding) is ``pallas_kernels.ternary_adam_update``:
-XLA code by default, or with ``implementation="pallas"`` one fused Pallas
-kernel on Hopper GPUs. The factored statistics are reductions over whole rows
-and columns, done before the fused step, which receives the root of the
-rebuilt ``nu`` (the outer product of the statistics' roots: no square root
-per element).
+direction, stochastic re-encoding) is ``pallas_kernels.ternary_adam_update``,
+in XLA. The factored statistics are reductions over whole rows and columns,
+done before the fused step, which receives the root of the rebuilt ``nu``
+(the outer product of the statistics' roots: no square root per element).
+Where blocks tile the rows, a row's sum is that of its blocks' sums, which
+the step's block maxima share one reduction with.
 
 References:
   Kingma and Ba, "Adam: A Method for Stochastic Optimization", 2015
@@ -94,7 +94,7 @@ from optax_memopt.ternary_adam_state import (
 from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import xla_cpu
-from pallas_kernels.ternary_adam_update import ternary_adam_update
+from pallas_kernels.ternary_adam_update import block_statistics, ternary_adam_update
 
 __all__ = [
     "FactoredSecondMoment",
@@ -147,6 +147,20 @@ def _check_real(leaf: jax.Array) -> None:
         f"ternary_adam supports real floating parameters; got a {leaf.dtype} leaf of shape"
         f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
     )
+
+
+def _row_statistics(grad: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array | None]:
+  """``mean(g**2, axis=-1)``, and the blocks' ``max |g|`` where blocks tile the rows (else None).
+
+  Where they do, both come from one reduction over ``g``
+  (``block_statistics``), a row's sum being that of its blocks' sums.
+  """
+  grad = grad.astype(jnp.float32)
+  if grad.shape[-1] % block_size:
+    return jnp.mean(jnp.square(grad), axis=-1), None
+  blocks = ternary.to_blocks(grad, ternary.blocked_shape(grad.shape, block_size), block_size)
+  sums, absmax = block_statistics(blocks)
+  return jnp.sum(sums, axis=-1) / grad.shape[-1], absmax
 
 
 def _rebuild_root(row: jax.Array, col: jax.Array) -> jax.Array:
@@ -215,9 +229,9 @@ def scale_by_ternary_adam(
       the ``n`` parameters in ``jax.tree.leaves`` order
       (``pallas_kernels.ternary.counter_hash_bits``).
     implementation: the fused step's implementation
-      (``pallas_kernels.dispatch``): ``None`` (the default for the device:
-      XLA while the kernel measures slower), ``"xla"``, ``"pallas"`` or
-      ``"interpret"``.
+      (``pallas_kernels.dispatch``): ``None`` or ``"xla"``; the step has no
+      Pallas kernel (``pallas_kernels.ternary_adam_update``), so
+      ``"pallas"`` and ``"interpret"`` raise when the step is traced.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -294,10 +308,13 @@ def scale_by_ternary_adam(
         return step.direction, *step.momentum, mu, row, col, step.nu
       # Adafactor's statistics of g**2 + eps over the last two axes; the
       # fused step takes the root of the nu they rebuild.
-      squared = jnp.square(grad.astype(jnp.float32))
-      row = b2_ * row + (1 - b2_) * (jnp.mean(squared, axis=-1) + _FACTORED_EPS)
-      col = b2_ * col + (1 - b2_) * (jnp.mean(squared, axis=-2) + _FACTORED_EPS)
-      step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), **options)
+      row_means, block_absmax = _row_statistics(grad, block_size)
+      col_means = jnp.mean(jnp.square(grad.astype(jnp.float32)), axis=-2)
+      row = b2_ * row + (1 - b2_) * (row_means + _FACTORED_EPS)
+      col = b2_ * col + (1 - b2_) * (col_means + _FACTORED_EPS)
+      step = ternary_adam_update(
+          grad, momentum, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options
+      )
       return step.direction, *step.momentum, mu, row, col, nu
 
     per_leaf = xla_cpu.tree_map(
@@ -353,7 +370,7 @@ def ternary_adam(
     min_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
     packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
     key: an int seed or a JAX PRNG key for the stochastic rounding.
-    implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
+    implementation: ``None`` or ``"xla"`` (the step has no Pallas kernel).
 
   Returns:
     An ``optax.GradientTransformation``.

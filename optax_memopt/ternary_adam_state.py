@@ -5,7 +5,7 @@ Each parameter falls in one of three kinds, by its size and rank:
 * **small** (fewer than ``min_size`` elements): plain Adam, float32 ``m`` and
   ``nu`` of the parameter's shape;
 * **ternary vector** (at least ``min_size`` elements, rank < 2): ``m`` as
-  block-major trits (:mod:`pallas_kernels.ternary_blocks`), float32 ``nu`` of
+  block-major trits (:mod:`pallas_kernels.ternary`), float32 ``nu`` of
   the parameter's shape;
 * **ternary matrix** (at least ``min_size`` elements, rank >= 2): ``m`` as
   trits, ``nu`` as Adafactor's row and column statistics over the last two
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pallas_kernels import ternary_blocks
+from pallas_kernels import ternary
 
 
 class TernaryMoment(NamedTuple):
   """The first moment ``m``, one tree per field."""
 
   # uint8 (*blocks, ceil(block_size / trits_per_byte)) per ternary parameter,
-  # the block-major layout of ternary_blocks.shapes; None per small one.
+  # the block-major layout of ternary.shapes; None per small one.
   packed: optax.Updates
   # float32 (*blocks, 1) per ternary parameter, its block scales; None per
   # small one.
@@ -85,7 +85,7 @@ def init_state(
 
   def zero_trits(param):
     if is_ternary(param, min_size):
-      return ternary_blocks.zeros(param.shape, block_size=block_size, packing=packing)
+      return ternary.zeros(param.shape, block_size=block_size, packing=packing)
     return None, None
 
   def zero_dense(param, applies):

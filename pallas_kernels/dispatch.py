@@ -31,7 +31,6 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 FASTER_ON_HOPPER: dict[str, bool] = {
     "block_topk": False,
     "quantize": True,
-    "ternary": True,
     "microadam_update": False,
     "column_select": True,
     "ternary_adam_update": False,

@@ -6,11 +6,9 @@ with the documented counter hash ``u = (h(seed ^ i) >> 8) / 2**24``,
 ``h(x) = y ^ (y >> 16)``, ``y = x * 0x9E3779B1 mod 2**32``; and the
 block-major bytes ``sum_p base**p (t[j + p w] + 1)``. The plain-jnp
 ``ternary_adam_update_reference`` and the XLA path must give the same trits,
-scales and ``nu`` exactly and directions to float32 rounding; the kernel, run
-by the Mosaic GPU interpreter, must equal the reference (trits, scales and
-``nu`` bit for bit, directions to a few ulps: it takes the square root as
-``x * rsqrt(x)``). Inputs are drawn fresh; the seed is in every failure
-message. Lowering for CUDA is checked by ``test_check_lowering.py``.
+scales and ``nu`` exactly and directions to float32 rounding. Inputs are
+drawn fresh; the seed is in every failure message. The byte layout itself is
+tested in ``test_ternary.py``.
 """
 
 from __future__ import annotations
@@ -23,11 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _ternary_chunks as chunks
-from pallas_kernels import _backend, dispatch
 from pallas_kernels import ternary
-from pallas_kernels import ternary_adam_update as update_module
-from pallas_kernels import ternary_blocks
 from pallas_kernels.ternary_adam_update import ternary_adam_update, ternary_adam_update_reference
 
 pytestmark = pytest.mark.kernels
@@ -37,9 +31,8 @@ pytestmark = pytest.mark.kernels
 # multiply-adds differ between jit, eager and the interpreter, and between
 # JAX versions), so trits, scales and nu can be compared bit for bit.
 B1, B2, EPS, COUNT = 0.5, 0.75, 1e-8, 3
-# A few float32 ulps: the kernel's x * rsqrt(x) against the reference's
-# sqrt, and divisions that XLA's CPU code and the interpreter may evaluate
-# with different approximations.
+# A few float32 ulps: divisions and square roots that XLA's fused code may
+# evaluate with other approximations than the reference's.
 DIRECTION_RTOL = 2e-6
 _LAYOUTS = {"base3": (3, 5), "2bit": (4, 4)}
 
@@ -182,10 +175,9 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
     assert step.nu is None
 
 
-# packing, block_size, shape, grad dtype, update_nu: sub-slice blocks, one
-# block per slice, blocks over two packed rows, a tail after whole chunks,
-# bfloat16 gradients, block-major matrices with and without a tail. Every
-# case holds at least one whole kernel chunk.
+# packing, block_size, shape, grad dtype, update_nu: blocks of 64, 128 and
+# 256 elements, a partial last block, bfloat16 gradients, block-major
+# matrices with and without a tail.
 _PARITY_CASES = [
     ("base3", 64, (640 * 2 + 77,), jnp.float32, True),
     ("base3", 256, (1280 + 300,), jnp.float32, False),
@@ -197,121 +189,27 @@ _PARITY_CASES = [
 
 
 @pytest.mark.parametrize("packing, block_size, shape, dtype, update_nu", _PARITY_CASES)
-def test_interpret_kernel_and_xla_equal_the_reference(packing, block_size, shape, dtype, update_nu, seed):
-  geometry = chunks.ChunkGeometry(block_size, _LAYOUTS[packing][1])
-  assert chunks.grid_extent(math.prod(shape), geometry, None)[0] > 0, "the case must run the kernel"
+def test_xla_equals_the_reference(packing, block_size, shape, dtype, update_nu, seed):
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing, grad_dtype=dtype)
   rounding_seed = jnp.uint32(seed + 1)
   options = dict(block_size=block_size, packing=packing, update_nu=update_nu)
   expected = _step(grad, stored, nu, rounding_seed, **options, implementation="reference")
-  for implementation in ("xla", "interpret"):
-    actual = _step(grad, stored, nu, rounding_seed, **options, implementation=implementation)
-    _assert_steps_equal(actual, expected, f"seed={seed}, {implementation}")
+  actual = _step(grad, stored, nu, rounding_seed, **options, implementation="xla")
+  _assert_steps_equal(actual, expected, f"seed={seed}")
 
 
-def test_input_shorter_than_a_kernel_chunk_is_stepped_by_every_implementation(seed):
-  """No kernel runs on 300 elements (a 2-bit chunk is 512): every implementation takes XLA."""
+def test_short_input_equals_the_reference(seed):
+  """300 elements in 2-bit blocks of 32, the last one partial."""
   grad, stored, nu = _inputs(seed, (300,), block_size=32, packing="2bit")
   options = dict(block_size=32, packing="2bit", update_nu=True)
   expected = _step(grad, stored, nu, jnp.uint32(seed), **options, implementation="reference")
-  for implementation in ("xla", "interpret"):
-    actual = _step(grad, stored, nu, jnp.uint32(seed), **options, implementation=implementation)
-    _assert_steps_equal(actual, expected, f"seed={seed}, {implementation}")
-
-
-def test_interpret_kernel_with_several_chunks_per_grid_step_equals_xla(seed):
-  block_size, size, layout = 128, 640 * 4 + 33, ternary.packing_layout("base3")
-  grad, stored, nu = _inputs(seed, (size,), block_size=block_size, packing="base3")
-  seed_bits = jnp.uint32(seed)
-  hyper = update_module._hyperparameters(COUNT, B1, B2, EPS)
-  blocks = stored.packed.shape[:-1]
-  new_scales = update_module._scale_bound(
-      ternary_blocks.to_blocks(grad, blocks, block_size), stored.scales, hyper[update_module._B1]
-  )
-  args = (grad, stored.packed, stored.scales, new_scales, nu, seed_bits, hyper)
-  options = dict(block_size=block_size, layout=layout, update_nu=True)
-  expected = jax.jit(functools.partial(update_module._step_xla, **options))(*args)
-  # Two grid steps of two chunks, then a tail in XLA.
-  actual = jax.jit(
-      functools.partial(
-          update_module._step_pallas, **options, interpret=True, chunks_per_step=2
-      )
-  )(*args)
-  for name, a, e in zip(("direction", "packed", "nu"), actual, expected):
-    if name == "direction":
-      np.testing.assert_allclose(a, e, rtol=DIRECTION_RTOL, err_msg=f"seed={seed}")
-    else:
-      np.testing.assert_array_equal(a, e, err_msg=f"{name}, seed={seed}")
-
-
-def _planar_bytes(codes, base, planes):
-  """The flat planar layout of the kernel: rows of ``planes * 128`` codes, byte ``j``
-  ``sum_p base**p code[p * 128 + j]``; a last row of ``r`` codes in planes of
-  ``ceil(r / planes)``, zero padded."""
-  codes, row, out = np.asarray(codes, np.int64).reshape(-1), planes * 128, []
-  for start in range(0, codes.size, row):
-    part = codes[start : start + row]
-    width = -(-part.size // planes)
-    padded = np.zeros(planes * width, np.int64)
-    padded[: part.size] = part
-    out.append(padded.reshape(planes, width).T @ base ** np.arange(planes))
-  return np.concatenate(out).astype(np.uint8)
-
-
-@pytest.mark.parametrize("packing", ["base3", "2bit"])
-# Blocks smaller than a 128-slice, of one slice, over several packed rows.
-@pytest.mark.parametrize("block_size", [32, 128, 640])
-@pytest.mark.parametrize("tiles_rows", [True, False])
-def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_rows, seed):
-  """Packing, unpacking, shapes, zeros, and the conversion to the kernel's flat bytes."""
-  base, planes = _LAYOUTS[packing]
-  layout = ternary.packing_layout(packing)
-  shape = (3, 2 * block_size) if tiles_rows else (3, block_size + 37)
-  size = math.prod(shape)
-  blocks = _blocks(shape, block_size)
-  trits = np.random.default_rng(seed).integers(-1, 2, size)
-  expected = _block_major_bytes(trits, shape, block_size, packing)
-  codes = np.ones(math.prod(blocks) * block_size, np.uint32)
-  codes[:size] = trits + 1
-  codes = jnp.asarray(codes.reshape(*blocks, block_size))
-  packed = jax.jit(lambda c: ternary_blocks.pack_blocks(c, layout))(codes)
-  np.testing.assert_array_equal(packed, expected, err_msg=f"seed={seed}")
-  unpacked = jax.jit(lambda p: ternary_blocks.unpack_blocks(p, block_size, layout))(packed)
-  np.testing.assert_array_equal(unpacked, codes, err_msg=f"seed={seed}")
-  assert [a.shape for a in ternary_blocks.shapes(shape, block_size=block_size, packing=packing)] == [
-      expected.shape, (*blocks, 1)
-  ]
-
-  flat = jax.jit(lambda p: ternary_blocks.flat_bytes(p, size, block_size, layout))(packed)
-  np.testing.assert_array_equal(flat, _planar_bytes(trits + 1, base, planes), err_msg=f"seed={seed}")
-  back = jax.jit(lambda f: ternary_blocks.block_bytes(f, size, blocks, block_size, layout))(flat)
-  np.testing.assert_array_equal(back, expected, err_msg=f"seed={seed}")
-
-  zeros = ternary_blocks.zeros(shape, block_size=block_size, packing=packing)
-  np.testing.assert_array_equal(
-      zeros.packed, _block_major_bytes(np.zeros(size), shape, block_size, packing)
-  )
-  np.testing.assert_array_equal(zeros.scales, np.zeros((*blocks, 1), np.float32))
-
-
-@pytest.mark.parametrize("base, planes", [(3, 5), (4, 4)])
-def test_digits_are_exact_for_every_byte_and_place(base, planes):
-  # The decoder's multiply-shift division, for every uint8 byte (not only
-  # those a packer writes) and every place, at once and one place at a time.
-  byte = np.arange(256, dtype=np.uint8)
-  place = base ** np.arange(planes)
-  expected = (byte[:, None].astype(np.int64) // place) % base
-  digits = jax.jit(lambda b: ternary_blocks.digits(b[:, None], place, base))(byte)
-  assert digits.dtype == jnp.float32
-  np.testing.assert_array_equal(digits, expected)
-  for p in range(planes):
-    one_place = jax.jit(lambda b: ternary_blocks.digits(b, base**p, base))(byte)
-    np.testing.assert_array_equal(one_place, expected[:, p])
+  actual = _step(grad, stored, nu, jnp.uint32(seed), **options, implementation="xla")
+  _assert_steps_equal(actual, expected, f"seed={seed}")
 
 
 def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
-  stored = ternary_blocks.zeros((40, 50), block_size=64)
+  stored = ternary.zeros((40, 50), block_size=64)
   step = ternary_adam_update(
       grad, stored, jnp.zeros((40, 50)), seed=jnp.uint32(0), count=1,
       b1=0.9, b2=0.999, eps=1e-8, block_size=64, implementation="xla",
@@ -322,26 +220,16 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
   np.testing.assert_allclose(np.asarray(step.direction, np.float32), 1.0, rtol=1e-2)
 
 
-@pytest.mark.parametrize("on_hopper", [True, False])
-def test_automatic_implementation_is_xla_while_the_kernel_is_slower(monkeypatch, on_hopper):
-  """``implementation=None`` follows ``dispatch.FASTER_ON_HOPPER`` in a program lowered for a (faked) Hopper GPU."""
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: on_hopper)
-  # Large enough for the kernel's whole chunks (a shorter tensor is all tail, done by XLA).
-  arguments = _good_arguments() | dict(
-      grad=jnp.ones(4096), momentum=ternary_blocks.zeros((4096,), block_size=32), nu=jnp.zeros(4096)
-  )
-  # A new function per lowering: jax.jit caches a function's trace.
-  lowered = lambda: _backend.lower_for_cuda(lambda: ternary_adam_update(**arguments))
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "ternary_adam_update", False)
-  assert _backend.MOSAIC_GPU_CALL not in lowered()
-  # Once the kernel is faster, a Hopper GPU runs it.
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "ternary_adam_update", True)
-  assert (_backend.MOSAIC_GPU_CALL in lowered()) == on_hopper
+@pytest.mark.parametrize("implementation", ["pallas", "interpret"])
+def test_a_kernel_asked_for_raises(implementation):
+  """The step has no kernel: naming one fails loudly instead of running XLA."""
+  with pytest.raises(ValueError, match="implementation"):
+    ternary_adam_update(**_good_arguments(), implementation=implementation)
 
 
 def _good_arguments():
   return dict(
-      grad=jnp.ones(100), momentum=ternary_blocks.zeros((100,), block_size=32),
+      grad=jnp.ones(100), momentum=ternary.zeros((100,), block_size=32),
       nu=jnp.zeros(100), seed=jnp.uint32(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
       block_size=32,
   )
@@ -353,10 +241,10 @@ def _good_arguments():
         (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
         (dict(block_size=48), "block_size"),
         (dict(packing="base5"), "packing"),
-        (dict(momentum=ternary_blocks.zeros((200,), block_size=32)), "packed"),
-        # The flat layout of ternary_encode is not the step's.
-        (dict(momentum=ternary.ternary_encode(jnp.zeros(100), block_size=32)), "packed"),
-        (dict(momentum=ternary_blocks.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
+        (dict(momentum=ternary.zeros((200,), block_size=32)), "packed"),
+        # A flat byte layout is not the step's.
+        (dict(momentum=ternary.TernaryArray(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "packed"),
+        (dict(momentum=ternary.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
         (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
         (dict(nu=jnp.zeros(101)), "nu"),
         (dict(nu=None, nu_root=jnp.zeros(101)), "nu_root"),
