@@ -322,11 +322,18 @@ def report(
   return FitReport(tuple(rows), n_params, devices, device_memory, title)
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows a default where there is one; an option without one says in its help what it means."""
+
+  def _get_help_string(self, action: argparse.Action) -> str:
+    return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m optax_memopt.fit",
       description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      formatter_class=_DefaultsHelpFormatter,
   )
   parser.add_argument("--model", default="llama2_7b", help=f"one of {', '.join(MODELS)}")
   parser.add_argument("--memory", default=None,
@@ -337,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help=f"a subset of {', '.join(optimizers.OPTIMIZERS)} (default: all)")
   parser.add_argument("--compile", choices=["h100"], default=None,
                       help="also compile each optimizer's step for this GPU (no GPU needed; needs the"
-                      " gpu-compile extra) and report XLA's peak per device beside the arithmetic")
+                      " gpu-compile extra) and report XLA's peak per device beside the arithmetic"
+                      " (default: no compile)")
   args = parser.parse_args(argv)
   if args.compile:
     # Before JAX starts its backends: the module sets the CUDA plugin's environment.

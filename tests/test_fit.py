@@ -294,3 +294,11 @@ def test_cli_builds_adam_mini_for_every_llama_model(capsys):
     assert not cells[1].startswith("cannot be built"), cells
     # m in bfloat16, a small share of float32 v.
     assert cells[1] == "bfloat16 (mu)" and cells[2] == "2.001", cells
+
+
+def test_help_shows_each_default_once_and_none_as_none(capsys):
+  with pytest.raises(SystemExit):
+    fit.main(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert "(default: None)" not in text
+  assert text.count("(default: all)") == 1 and "(default: llama2_7b)" in text
