@@ -3,23 +3,23 @@
 Every optimizer of the registry runs the same short descent twice on the
 quadratic of ``tests/test_transformation_properties.py`` (loss and gradient
 taken in float32, parameters stored as float32 or as bfloat16) from the same
-start, the float32 one rounded to bfloat16, so both start at the same point.
+start, the float32 one rounded to bfloat16, so both start at the same point,
+and the two runs' distances to the target (``sqrt(loss)``) after 20 steps
+are compared.
 
-The bound. Write ``D = sqrt(loss)``, the Euclidean distance to the target.
-bfloat16 keeps 8 significant bits: rounding moves a value by at most 2**-8 of
-its magnitude, so a vector by at most ``2**-8`` of its norm. A bfloat16 step
-is the float32 step with its update rounded to bfloat16 and the sum rounded
-again; if steps did not amplify a difference in position (these methods take
-normalised steps of about the learning rate per coordinate, whose direction a
-small change of position does not turn while the target is far, and the
-quadratic pulls both runs in near it), the two runs stay within
-``sum_t 2**-8 (|p_t| + |u_t|)`` of each other, summed over the float32 run's
-parameters ``p_t`` (from the rounded start) and updates ``u_t``. By the
-triangle inequality ``D`` then differs by no more than that sum. The descent
-is long enough that the float32 run's ``D`` falls by more than twice the
-bound, so a bfloat16 run within the bound falls by at least half as much:
-the test fails an optimizer that stalls in bfloat16 (updates below the
-parameters' spacing lost), drifts, or turns non-finite.
+The bound. bfloat16 keeps 8 significant bits, so every parameter and update
+of the bfloat16 run is rounded by up to 2**-8 of itself. Summed as if every
+rounding pushed the same way, that allows the runs to end about 1 apart
+(0.86-1.30 here); in fact the roundings go both ways and mostly cancel. Over
+60 seeds per optimizer (a fresh start and target each) the bfloat16 run
+ended between 0.033 nearer and 0.086 farther than the float32 one (optax's
+AdamW the farthest: its moments are bfloat16 too, 0.070-0.086 behind; every
+other method within 0.04), a spread of a few thousandths per optimizer. The
+bound is twice the largest difference seen, 0.17: a seed that lands beyond
+it is far outside every optimizer's spread. The float32 runs fall by 6 to 22
+in those 20 steps, so the bound is under 3% of the smallest descent: a
+bfloat16 run that stalls (updates below the parameters' spacing lost),
+drifts, or turns non-finite fails.
 """
 
 from __future__ import annotations
@@ -37,33 +37,30 @@ NAMES = sorted(CASES)
 STEPS = 20
 # Three times the registry's: each step moves the parameters well beyond
 # their bfloat16 spacing, and the descent is a large multiple of the bound
-# (below) in few steps.
+# in few steps.
 LEARNING_RATE = 3e-2
-BFLOAT16_ROUNDING = 2.0**-8  # Largest rounding error relative to the value rounded.
-
-
-def norm(tree) -> jax.Array:
-  return jnp.sqrt(sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(tree)))
+# The largest |bfloat16 - float32| distance after STEPS seen over 60 seeds of
+# every optimizer (module docstring), and the bound: twice that.
+LARGEST_OBSERVED_DIFFERENCE = 0.086
+BOUND = 2 * LARGEST_OBSERVED_DIFFERENCE
 
 
 def descend(optimizer, params, target):
-  """``sqrt(loss)`` at the start and after each step, and the sum of ``|p_t| + |u_t|``."""
+  """``sqrt(loss)`` at the start and after each step, and the final parameters."""
 
   @jax.jit
   def step(params, state):
     grads = jax.grad(quadratic_loss)(params, target)
     updates, state = optimizer.update(grads, state, params)
     params = optax.apply_updates(params, updates)
-    return params, state, jnp.sqrt(quadratic_loss(params, target)), norm(params) + norm(updates)
+    return params, state, jnp.sqrt(quadratic_loss(params, target))
 
   state = optimizer.init(params)
   distances = [float(jnp.sqrt(quadratic_loss(params, target)))]
-  magnitudes = float(norm(params))
   for _ in range(STEPS):
-    params, state, distance, magnitude = step(params, state)
+    params, state, distance = step(params, state)
     distances.append(float(distance))
-    magnitudes += float(magnitude)
-  return params, distances, magnitudes
+  return params, distances
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -71,21 +68,16 @@ def test_bfloat16_parameters_descend_like_float32(name, seed):
   start = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params(seed=seed % 1000))
   target = make_target(start, seed)
   float32_start = jax.tree.map(lambda p: p.astype(jnp.float32), start)
-  _, float32_distances, magnitudes = descend(
-      build(name, learning_rate=LEARNING_RATE), float32_start, target
-  )
-  bfloat16_params, bfloat16_distances, _ = descend(
-      build(name, learning_rate=LEARNING_RATE), start, target
-  )
-  bound = BFLOAT16_ROUNDING * magnitudes
+  _, float32_distances = descend(build(name, learning_rate=LEARNING_RATE), float32_start, target)
+  bfloat16_params, bfloat16_distances = descend(build(name, learning_rate=LEARNING_RATE), start, target)
   context = (
       f"{name}, seed {seed}: distance to the target from {float32_distances[0]:.4f} to"
       f" {float32_distances[-1]:.4f} in float32, {bfloat16_distances[-1]:.4f} in bfloat16;"
-      f" bound {bound:.4f}"
+      f" bound {BOUND:.3f}"
   )
 
   assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(bfloat16_params)), context
   assert np.all(np.isfinite(bfloat16_distances)), context
   # The claim below says something only if float32 falls well beyond the bound.
-  assert float32_distances[0] - float32_distances[-1] > 2 * bound, context
-  assert abs(bfloat16_distances[-1] - float32_distances[-1]) <= bound, context
+  assert float32_distances[0] - float32_distances[-1] > 20 * BOUND, context
+  assert abs(bfloat16_distances[-1] - float32_distances[-1]) <= BOUND, context
