@@ -362,27 +362,21 @@ def column_select(
     if segment_width % _LANES:
       raise ValueError(f"segment_width must be a multiple of {_LANES}; got {segment_width}.")
 
-  dispatch.check(implementation)
   kernel_segment_width = segment_width or default_segment_width(width, keep)
   unsupported = None
   if kernel_segment_width is None:
     unsupported = f"keep must be at most {MAX_SEGMENT_WIDTH} for the Pallas kernel; got {keep}."
   elif grads.dtype.itemsize > 4:
     unsupported = f"grads must be at most 32-bit for the Pallas kernel; got {grads.dtype}."
-  if implementation not in (None, "xla") and unsupported is not None:
-    raise ValueError(unsupported + " Use implementation='xla'.")
-
-  def path(resolved: str) -> ColumnSelection:
-    if resolved == "xla" or unsupported is not None:
-      return _column_select(
-          grads, tracked_index, tracked_offset, keep=keep, implementation="xla", segment_width=segment_width
-      )
-    return _column_select(
-        grads, tracked_index, tracked_offset,
-        keep=keep, implementation=resolved, segment_width=kernel_segment_width,
-    )
-
-  return dispatch.run("column_select", implementation, path)
+  return dispatch.run(
+      "column_select",
+      implementation,
+      lambda resolved: _column_select(
+          grads, tracked_index, tracked_offset,
+          keep=keep, implementation=resolved, segment_width=kernel_segment_width,
+      ),
+      unsupported=None if unsupported is None else unsupported + " Use implementation='xla'.",
+  )
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:

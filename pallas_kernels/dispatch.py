@@ -69,7 +69,9 @@ def check(implementation: Implementation) -> None:
     )
 
 
-def run(op: str, implementation: Implementation, path: Callable[[str], T]) -> T:
+def run(
+    op: str, implementation: Implementation, path: Callable[[str], T], *, unsupported: str | None = None
+) -> T:
   """``path`` called with the implementation that runs ``op``.
 
   Args:
@@ -77,19 +79,21 @@ def run(op: str, implementation: Implementation, path: Callable[[str], T]) -> T:
     implementation: the caller's choice, checked; a named one is honoured
       everywhere.
     path: computes the op given ``"xla"``, ``"pallas"`` or ``"interpret"``.
-      Called with ``"pallas"`` only for a CUDA lowering when
-      ``implementation`` is ``None``; a path that cannot run the kernel on
-      its arguments then takes XLA itself.
+    unsupported: why the kernel cannot run on these arguments, or ``None``.
+      Then a named kernel raises ``ValueError`` with this text, and ``None``
+      takes XLA.
 
   Returns:
     ``path(implementation)``, or for ``None`` the kernel in a program lowered
-    for a Hopper-or-newer GPU where :data:`FASTER_ON_HOPPER` says so, and XLA
-    in every other program.
+    for a Hopper-or-newer GPU where :data:`FASTER_ON_HOPPER` says so and the
+    kernel supports the arguments, and XLA in every other program.
   """
   check(implementation)
+  if implementation in ("pallas", "interpret") and unsupported is not None:
+    raise ValueError(unsupported)
   if implementation is not None:
     return path(implementation)
-  if not FASTER_ON_HOPPER[op]:
+  if not FASTER_ON_HOPPER[op] or unsupported is not None:
     return path("xla")
   return lax.platform_dependent(
       cuda=lambda: path("pallas" if cuda_target_runs_mosaic_gpu() else "xla"),

@@ -464,10 +464,6 @@ def microadam_update(
     )
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  dispatch.check(implementation)
-  unsupported = kernel_unsupported_reason(block_size)
-  if implementation not in (None, "xla") and unsupported is not None:
-    raise ValueError(unsupported)
   return dispatch.run(
       "microadam_update",
       implementation,
@@ -481,8 +477,9 @@ def microadam_update(
           size=size,
           density=density,
           block_size=block_size,
-          implementation="xla" if unsupported else resolved,
+          implementation=resolved,
       ),
+      unsupported=kernel_unsupported_reason(block_size),
   )
 
 

@@ -396,16 +396,11 @@ def block_topk(
   """
   density, block_size = _check_block_params(density, block_size)
   x = _float_array(x)
-  dispatch.check(implementation)
-  unsupported = _kernel_unsupported_reason(x, block_size)
-  if implementation not in (None, "xla") and unsupported is not None:
-    raise ValueError(unsupported)
   return dispatch.run(
       "block_topk",
       implementation,
-      lambda resolved: _block_topk(
-          x, density=density, block_size=block_size, implementation="xla" if unsupported else resolved
-      ),
+      lambda resolved: _block_topk(x, density=density, block_size=block_size, implementation=resolved),
+      unsupported=_kernel_unsupported_reason(x, block_size),
   )
 
 

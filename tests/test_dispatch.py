@@ -74,3 +74,13 @@ def test_a_process_without_cuda_devices_targets_hopper():
   with pytest.raises(RuntimeError):
     jax.devices("cuda")
   assert dispatch.cuda_target_runs_mosaic_gpu()
+
+
+def test_a_kernel_that_cannot_take_the_arguments_raises_when_named_and_is_skipped_by_none(monkeypatch):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  reason = "block_size must be a multiple of 256 for the Pallas kernel; got 100."
+  for named in ("pallas", "interpret"):
+    with pytest.raises(ValueError, match="multiple of 256"):
+      dispatch.run("quantize", named, _path, unsupported=reason)
+  assert _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", None, _path, unsupported=reason))) == "xla"
+  assert _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", "xla", _path, unsupported=reason))) == "xla"
