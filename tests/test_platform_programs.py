@@ -19,7 +19,6 @@ OPS = {
     "microadam": ("block_topk", "quantize", "microadam_update"),
     "taco": ("column_select",),
     "taco_one_segment": ("column_select",),
-    "ternary_adam": ("ternary_adam_update",),
     "adamw_8bit": ("lowbit_adamw_update",),
     "adamw_4bit": ("lowbit_adamw_update",),
     "adamw_fp8": ("lowbit_adamw_update",),

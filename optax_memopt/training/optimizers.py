@@ -69,10 +69,9 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         "Adam-mini: one second moment per head, neuron or token",
     ),
     "ternary_adam": OptimizerSpec(
-        _with_kernels(optax_memopt.ternary_adam),
+        lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "ternary-state Adam: base-3 trits with block scales for m, factored v",
-        has_kernels=True,
     ),
     "taco": OptimizerSpec(
         _with_kernels(optax_memopt.taco),
