@@ -1,7 +1,8 @@
 """The scheduling aids XLA:CPU needs, each the plain computation on other backends.
 
-Values are never changed, only where XLA:CPU computes them. Each aid is
-chosen when the program is lowered (``jax.lax.platform_dependent``): a
+Values are never changed, only where XLA:CPU computes them (and the
+order in which :func:`reduce_folded` adds, which XLA's reduction leaves
+open). Each aid is chosen when the program is lowered (``jax.lax.platform_dependent``): a
 program lowered for a GPU carries none of them, whatever the process's
 default backend. Each aid is kept because it buys a measured share of an optimizer's CPU step
 (``docs/performance-notes.md``).
@@ -17,11 +18,12 @@ step wait for the previous leaf's state, so the buffer holds one leaf's
 temporaries. On other backends it is ``jax.tree.map``: temporaries come
 from a pool there, and the wait would cost a small kernel per leaf.
 
-:func:`written_out` and :func:`reduce_row`, for ops' XLA paths. XLA fuses a
-cheap elementwise producer into each of its consumers and recomputes it
-there, and XLA:CPU fuses a row reduction with its input's computation only
-over at most ``FUSED_REDUCTION`` entries (a wider one first writes the
-whole input out).
+:func:`written_out`, :func:`reduce_row` and :func:`reduce_folded`, for
+ops' XLA paths. XLA fuses a cheap elementwise producer into each of its
+consumers and recomputes it there; XLA:CPU fuses a row reduction with its
+input's computation only over at most ``FUSED_REDUCTION`` entries (a wider
+one first writes the whole input out), and reduces short rows one at a
+time, without vector instructions.
 """
 
 from __future__ import annotations
@@ -92,6 +94,33 @@ def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable
   return lax.platform_dependent(
       x, cpu=_in_scope(in_fused_steps), default=lambda x: reduce(x, axis=-1, keepdims=True)
   )
+
+
+def reduce_folded(
+    values: tuple[jax.Array, ...],
+    init_values: tuple[Any, ...],
+    combine: Callable[[tuple[jax.Array, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]],
+) -> tuple[jax.Array, ...]:
+  """``lax.reduce(values, init_values, combine)`` over the last axis; on XLA:CPU folded in halves first.
+
+  For short rows (a quantizer's blocks of 32 to 256 entries), which XLA:CPU
+  reduces in a loop per row that does not vectorize. While the rows' length
+  is even, ``combine`` (on tuples of arrays) merges their two halves
+  elementwise, in loops that vectorize and fuse with the values'
+  computation; what is left (one entry for powers of two) is reduced.
+  Maxima and minima are the same bits; sums add in another order (XLA's
+  reduce fixes none, and backends differ).
+  """
+  def reduce(*values):
+    return lax.reduce(values, tuple(init_values), combine, (values[0].ndim - 1,))
+
+  def folded(*values):
+    while values[0].shape[-1] % 2 == 0 and values[0].shape[-1] > 1:
+      half = values[0].shape[-1] // 2
+      values = tuple(combine(tuple(v[..., :half] for v in values), tuple(v[..., half:] for v in values)))
+    return reduce(*values)
+
+  return tuple(lax.platform_dependent(*values, cpu=_in_scope(folded), default=reduce))
 
 
 def _bits(x: jax.Array) -> jax.Array:
