@@ -262,21 +262,3 @@ def unpack_blocks(packed: jax.Array, block_size: int, layout: Layout) -> jax.Arr
     # does not with an index modulo block_size.
     place = np.tile(place, (packed.shape[-2], 1))
   return digits(byte, place, layout.base)
-
-
-def stored_moment(packed: jax.Array, scales: jax.Array, block_size: int, layout: Layout) -> jax.Array:
-  """The stored values ``t s`` of blocks ``(..., block_size)``, written out.
-
-  Decoded plane by plane from the bytes (plane ``p`` holds elements
-  ``p w, ..., p w + w - 1`` of each block), then concatenated: XLA:CPU writes
-  a concatenation out instead of fusing it into its consumers, so the
-  values can be read in another shape than the blocks' without index
-  arithmetic per element.
-  """
-  width = packed.shape[-1]
-  planes = [
-      (digits(packed, layout.base**plane, layout.base) - 1) * scales
-      for plane in range(layout.planes)
-  ]
-  planes[-1] = planes[-1][..., : block_size - (layout.planes - 1) * width]
-  return jnp.concatenate(planes, axis=-1)

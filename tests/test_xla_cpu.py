@@ -104,3 +104,16 @@ def test_reduce_row_is_the_reduction(width, reduce, combine, seed):
   np.testing.assert_array_equal(got, np.asarray(reduce(np.asarray(x), axis=-1, keepdims=True)))
   in_cuda_program = lowered(lambda v: xla_cpu.reduce_row(v, reduce, combine), x, platform="cuda")
   assert xla_cpu.SCOPE not in in_cuda_program and in_cuda_program.count("stablehlo.reduce") == 1
+
+
+@pytest.mark.parametrize("width", [1, 3, 32, 128, 96, 1000, 1024])
+def test_reduce_folded_gives_the_reductions_values_and_only_folds_in_cpu_programs(width, seed):
+  x = jnp.asarray(np.random.default_rng(seed).normal(size=(3, 2, width)), jnp.float32).at[0, 0, 0].set(-0.0)
+  combine = lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1]))
+  fn = lambda x: xla_cpu.reduce_folded((x * x, jnp.abs(x)), (0.0, -jnp.inf), combine)
+  squares, maxima = jax.jit(fn)(x)
+  assert_same_bits(maxima, np.abs(np.asarray(x)).max(axis=-1))
+  np.testing.assert_allclose(squares, (np.asarray(x, np.float64) ** 2).sum(axis=-1), rtol=1e-5)
+  in_cuda_program = lowered(fn, x, platform="cuda")
+  assert xla_cpu.SCOPE not in in_cuda_program and in_cuda_program.count("stablehlo.reduce") == 1
+  assert xla_cpu.SCOPE in lowered(fn, x, platform="cpu")
