@@ -359,7 +359,7 @@ def peak_report(
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
     memory: int | None = None,
-    title: str = "parameters",
+    title: str = "model",
 ) -> PeakReport:
   """Every optimizer's step compiled for ``devices`` GPUs of ``target``: XLA's peak per device.
 
