@@ -225,7 +225,7 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   """
   window = indices.shape[0]
   full_blocks = size // block_size
-  positions, directions = [], []
+  positions, directions = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.float32)]
   for first_block, (local, ring_values) in zip(
       (0, full_blocks),
       zip(_by_block(indices, k=k, full_blocks=full_blocks),
