@@ -94,6 +94,7 @@ from optax_memopt.ternary_adam_state import (
 from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import xla_cpu
+from pallas_kernels.blocks import blocks_shape, to_blocks
 from pallas_kernels.ternary_adam_update import block_statistics, ternary_adam_update
 
 __all__ = [
@@ -158,7 +159,7 @@ def _row_statistics(grad: jax.Array, block_size: int) -> tuple[jax.Array, jax.Ar
   grad = grad.astype(jnp.float32)
   if grad.shape[-1] % block_size:
     return jnp.mean(jnp.square(grad), axis=-1), None
-  blocks = ternary.to_blocks(grad, ternary.blocked_shape(grad.shape, block_size), block_size)
+  blocks = to_blocks(grad, blocks_shape(grad.shape, block_size), block_size)
   sums, absmax = block_statistics(blocks)
   return jnp.sum(sums, axis=-1) / grad.shape[-1], absmax
 

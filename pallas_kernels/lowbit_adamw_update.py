@@ -73,7 +73,6 @@ References:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -85,6 +84,7 @@ from pallas_kernels import _backend
 from pallas_kernels import dispatch
 from pallas_kernels import quantize
 from pallas_kernels import static_args
+from pallas_kernels.blocks import blocks_shape, from_blocks, to_blocks
 
 
 class StateFormat(NamedTuple):
@@ -124,13 +124,6 @@ def check_state_format(state_format: Any) -> StateFormat:
 def _paired(state_format: str) -> bool:
   """Whether one byte holds both moments' codes (4-bit)."""
   return state_format == "4bit"
-
-
-def blocks_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
-  """The scales' shape without their trailing 1: the tensor in blocks."""
-  if shape and shape[-1] % block_size == 0:
-    return (*shape[:-1], shape[-1] // block_size)
-  return (-(-math.prod(shape) // block_size),)
 
 
 def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int) -> LowbitMoments:
@@ -250,24 +243,6 @@ def _codes_zero(count: jax.Array) -> jax.Array:
   return lax.platform_dependent(count, cuda=recomputed, rocm=recomputed, default=_opaque_zero)
 
 
-# Block views.
-
-
-def _as_blocks(x: jax.Array, blocks: tuple[int, ...], block_size: int) -> jax.Array:
-  """``x`` as ``(*blocks, block_size)``: a reshape, after zero padding the flat tensor if needed."""
-  padding = math.prod(blocks) * block_size - x.size
-  if padding:
-    x = jnp.pad(x.reshape(-1), (0, padding))
-  return x.reshape(*blocks, block_size)
-
-
-def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  size = math.prod(shape)
-  if x.size != size:
-    x = x.reshape(-1)[:size]
-  return x.reshape(shape)
-
-
 def _split_codes(moments: LowbitMoments, state_format: str) -> tuple[jax.Array, jax.Array]:
   if _paired(state_format):
     return moments.mu & np.uint8(0xF), moments.mu >> np.uint8(4)
@@ -299,7 +274,7 @@ def lowbit_adamw_update_reference(
   def per_element(scales):
     """Each element's scale, in the tensor's shape: decoding and encoding are
     elementwise there, so the codes keep the tensor's layout and sharding."""
-    return _from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
+    return from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
 
   mu_codes, nu_codes = _split_codes(moments, state_format)
 
@@ -311,7 +286,7 @@ def lowbit_adamw_update_reference(
   count = jnp.asarray(count)
   mu, nu = new_moments(_opaque_zero(count))
   scales = [
-      quantize.map_scales(_as_blocks(x, blocks, block_size), code=code)
+      quantize.map_scales(to_blocks(x, blocks, block_size), code=code)
       for x, code in ((mu, state.mu_code), (nu, state.nu_code))
   ]
   codes = [

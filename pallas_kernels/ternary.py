@@ -46,7 +46,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -55,6 +54,7 @@ import numpy as np
 
 from pallas_kernels import packing as planar
 from pallas_kernels import static_args
+from pallas_kernels.blocks import blocks_shape
 
 PACKINGS = ("base3", "2bit")
 # Blocks smaller than a 128-element slice: each slice holds whole ones.
@@ -121,13 +121,6 @@ def ternary_codes(values: jax.Array, scale: jax.Array, bits: jax.Array) -> jax.A
 # The layout.
 
 
-def blocked_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
-  """The codes' shape without its last axis: the tensor's, in blocks."""
-  if shape and shape[-1] % block_size == 0:
-    return (*shape[:-1], shape[-1] // block_size)
-  return (-(-math.prod(shape) // block_size),)
-
-
 def bytes_per_block(block_size: int, layout: Layout) -> int:
   """``w = ceil(block_size / planes)``: the bytes of one block."""
   return -(-block_size // layout.planes)
@@ -156,7 +149,7 @@ def shapes(shape: tuple[int, ...], *, block_size: int, packing: str = "base3") -
   """
   check_block_size(block_size)
   layout = packing_layout(packing)
-  blocks = blocked_shape(tuple(shape), block_size)
+  blocks = blocks_shape(tuple(shape), block_size)
   return TernaryArray(
       jax.ShapeDtypeStruct((*blocks, bytes_per_block(block_size, layout)), jnp.uint8),
       jax.ShapeDtypeStruct((*blocks, 1), jnp.float32),
@@ -179,22 +172,6 @@ def zeros(shape: tuple[int, ...], *, block_size: int, packing: str = "base3") ->
   return TernaryArray(
       jnp.full(packed.shape, zero_trits, jnp.uint8), jnp.zeros(scales.shape, jnp.float32)
   )
-
-
-def to_blocks(x: jax.Array, blocks: tuple[int, ...], block_size: int) -> jax.Array:
-  """``x`` as ``(*blocks, block_size)``: a reshape, after zero padding if needed."""
-  padding = math.prod(blocks) * block_size - x.size
-  if padding:
-    x = jnp.pad(x.reshape(-1), (0, padding))
-  return x.reshape(*blocks, block_size)
-
-
-def from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Inverse of ``to_blocks``: the first ``prod(shape)`` elements as ``shape``."""
-  size = math.prod(shape)
-  if x.size != size:
-    x = x.reshape(-1)[:size]
-  return x.reshape(shape)
 
 
 # Codes per row of the padded view pack_blocks writes out; every block size

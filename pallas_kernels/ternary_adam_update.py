@@ -58,6 +58,7 @@ from jax import lax
 from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import xla_cpu
+from pallas_kernels.blocks import from_blocks, to_blocks
 
 
 class TernaryAdamStep(NamedTuple):
@@ -216,7 +217,7 @@ def _step_xla(
   """
   b1, b2 = hyper[_B1], hyper[_B2]
   blocks = stored.shape[:-1]
-  grad_blocks = ternary.to_blocks(grad.astype(jnp.float32), blocks, block_size)
+  grad_blocks = to_blocks(grad.astype(jnp.float32), blocks, block_size)
   if absmax is None:
     _, absmax = block_statistics(grad_blocks)
   new_scales = b1 * scales + (1 - b1) * absmax[..., None]
@@ -226,7 +227,7 @@ def _step_xla(
       default=lambda stored: _stored_codes_on_gpu(stored, block_size, layout),
   )
   m = b1 * ((stored_codes - 1) * scales) + (1 - b1) * grad_blocks
-  nu_blocks = ternary.to_blocks(nu.astype(jnp.float32), blocks, block_size)
+  nu_blocks = to_blocks(nu.astype(jnp.float32), blocks, block_size)
   if update_nu:
     nu_blocks = b2 * nu_blocks + (1 - b2) * jnp.square(grad_blocks)
     root_of_nu_hat = jnp.sqrt(nu_blocks / hyper[_BIAS_CORRECTION_2])
@@ -236,8 +237,8 @@ def _step_xla(
   bits = ternary.counter_hash_bits(seed, _element_indices(m.shape))
   codes = _codes_written_out_on_gpu(ternary.ternary_codes(m, new_scales, bits))
   new_stored = ternary.pack_blocks(codes, layout)
-  new_nu = ternary.from_blocks(nu_blocks, nu.shape) if update_nu else None
-  return ternary.from_blocks(direction, grad.shape).astype(grad.dtype), new_stored, new_scales, new_nu
+  new_nu = from_blocks(nu_blocks, nu.shape) if update_nu else None
+  return from_blocks(direction, grad.shape).astype(grad.dtype), new_stored, new_scales, new_nu
 
 
 # Entry point.

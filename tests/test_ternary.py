@@ -17,30 +17,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ternary
+from tests import oracles
 
 pytestmark = pytest.mark.kernels
 
-_LAYOUTS = {"base3": (3, 5), "2bit": (4, 4)}
 
 
-def _blocks(shape, block_size):
-  """Blocks tile the last axis when they can, else the flat tensor."""
-  if shape[-1] % block_size == 0:
-    return (*shape[:-1], shape[-1] // block_size)
-  return (-(-math.prod(shape) // block_size),)
 
 
-def _block_major_bytes(trits, shape, block_size, packing):
-  """Byte ``j`` of a block: ``sum_p base**p (t[j + p w] + 1)``, code 1 past the block's end."""
-  base, planes = _LAYOUTS[packing]
-  blocks = _blocks(shape, block_size)
-  n_blocks, width = math.prod(blocks), -(-block_size // planes)
-  codes = np.ones(n_blocks * block_size, np.int64)
-  codes[: trits.size] = np.asarray(trits, np.int64).reshape(-1) + 1
-  slots = np.ones((n_blocks, planes * width), np.int64)
-  slots[:, :block_size] = codes.reshape(n_blocks, block_size)
-  packed = np.einsum("bpj,p->bj", slots.reshape(n_blocks, planes, width), base ** np.arange(planes))
-  return packed.astype(np.uint8).reshape(*blocks, width)
 
 
 @pytest.mark.parametrize("packing", ["base3", "2bit"])
@@ -52,9 +36,9 @@ def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_row
   layout = ternary.packing_layout(packing)
   shape = (3, 2 * block_size) if tiles_rows else (3, block_size + 37)
   size = math.prod(shape)
-  blocks = _blocks(shape, block_size)
+  blocks = oracles.blocks(shape, block_size)
   trits = np.random.default_rng(seed).integers(-1, 2, size)
-  expected = _block_major_bytes(trits, shape, block_size, packing)
+  expected = oracles.block_major_bytes(trits, shape, block_size, packing)
   codes = np.ones(math.prod(blocks) * block_size, np.uint32)
   codes[:size] = trits + 1
   codes = jnp.asarray(codes.reshape(*blocks, block_size))
@@ -68,7 +52,7 @@ def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_row
 
   zeros = ternary.zeros(shape, block_size=block_size, packing=packing)
   np.testing.assert_array_equal(
-      zeros.packed, _block_major_bytes(np.zeros(size), shape, block_size, packing)
+      zeros.packed, oracles.block_major_bytes(np.zeros(size), shape, block_size, packing)
   )
   np.testing.assert_array_equal(zeros.scales, np.zeros((*blocks, 1), np.float32))
 

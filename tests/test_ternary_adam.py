@@ -25,8 +25,7 @@ from flax import nnx
 
 import optax_memopt
 from optax_memopt.training import loop, model
-
-from tests import host_devices
+from tests import host_devices, oracles
 
 BLOCK_SIZE = 64
 MIN_SIZE = 256
@@ -347,12 +346,6 @@ def test_bad_hyperparameters_raise_when_built(kwargs, name):
     optax_memopt.ternary_adam(1e-3, **kwargs)
 
 
-def _uniforms(seed: int, size: int) -> np.ndarray:
-  """The documented rounding uniforms: ``(h(seed ^ i) >> 8) / 2**24`` with
-  ``h(x) = y ^ (y >> 16)``, ``y = x * 0x9E3779B1 mod 2**32``."""
-  y = ((np.arange(size, dtype=np.uint64) ^ np.uint64(seed)) * np.uint64(0x9E3779B1)) % 2**32
-  h = y ^ (y >> np.uint64(16))
-  return (h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
 class _NumpyTernaryAdam:
@@ -402,7 +395,7 @@ class _NumpyTernaryAdam:
       padded[:size] = np.abs(flat_g)
       s["scales"] = np.float32(b1) * s["scales"] + np.float32(1 - b1) * padded.reshape(-1, block).max(1)
       scale = np.repeat(s["scales"], block)[:size]
-      s["trits"] = np.where(_uniforms(seeds[name], size) * scale < np.abs(m), np.sign(m), 0.0)
+      s["trits"] = np.where(oracles.uniforms(seeds[name], size) * scale < np.abs(m), np.sign(m), 0.0)
       if "nu" in s:
         s["nu"] = b2 * s["nu"] + (1 - b2) * g64**2
         nu = s["nu"]

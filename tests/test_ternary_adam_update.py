@@ -22,7 +22,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ternary
-from pallas_kernels.ternary_adam_update import ternary_adam_update, ternary_adam_update_reference
+from pallas_kernels.ternary_adam_update import (
+  ternary_adam_update,
+  ternary_adam_update_reference,
+)
+from tests import oracles
 
 pytestmark = pytest.mark.kernels
 
@@ -34,39 +38,17 @@ B1, B2, EPS, COUNT = 0.5, 0.75, 1e-8, 3
 # A few float32 ulps: divisions and square roots that XLA's fused code may
 # evaluate with other approximations than the reference's.
 DIRECTION_RTOL = 2e-6
-_LAYOUTS = {"base3": (3, 5), "2bit": (4, 4)}
 
 
-def _uniforms(seed: int, size: int) -> np.ndarray:
-  """The documented rounding uniforms of elements ``0 .. size - 1``."""
-  y = ((np.arange(size, dtype=np.uint64) ^ np.uint64(seed)) * np.uint64(0x9E3779B1)) % 2**32
-  h = y ^ (y >> np.uint64(16))
-  return (h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
 
 
-def _blocks(shape, block_size):
-  """Blocks tile the last axis when they can, else the flat tensor."""
-  if shape[-1] % block_size == 0:
-    return (*shape[:-1], shape[-1] // block_size)
-  return (-(-math.prod(shape) // block_size),)
 
 
-def _block_major_bytes(trits, shape, block_size, packing):
-  """Byte ``j`` of a block: ``sum_p base**p (t[j + p w] + 1)``, code 1 past the block's end."""
-  base, planes = _LAYOUTS[packing]
-  blocks = _blocks(shape, block_size)
-  n_blocks, width = math.prod(blocks), -(-block_size // planes)
-  codes = np.ones(n_blocks * block_size, np.int64)
-  codes[: trits.size] = np.asarray(trits, np.int64).reshape(-1) + 1
-  slots = np.ones((n_blocks, planes * width), np.int64)
-  slots[:, :block_size] = codes.reshape(n_blocks, block_size)
-  packed = np.einsum("bpj,p->bj", slots.reshape(n_blocks, planes, width), base ** np.arange(planes))
-  return packed.astype(np.uint8).reshape(*blocks, width)
 
 
 def _decode(packed, scales, size, block_size, packing) -> np.ndarray:
   """Trits times their block scales, from the documented block-major bytes (float64)."""
-  base, planes = _LAYOUTS[packing]
+  base, planes = oracles.LAYOUTS[packing]
   packed = np.asarray(packed, np.int64)
   width = packed.shape[-1]
   packed = packed.reshape(-1, 1, width)
@@ -85,12 +67,12 @@ def _inputs(seed, shape, *, block_size, packing, grad_dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   grad = rng.standard_normal(size) * np.exp(rng.uniform(-2, 2, size))
   grad = np.clip(np.round(grad * 256) / 256, -8, 8).astype(np.float32)
-  blocks = _blocks(shape, block_size)
+  blocks = oracles.blocks(shape, block_size)
   scales = (np.round(np.exp(rng.uniform(-3, 1, math.prod(blocks))) * 256) / 256).astype(np.float32)
   scales[0] = 0.0  # A block whose stored scale is 0.
   trits = rng.integers(-1, 2, size)
   stored = ternary.TernaryArray(
-      jnp.asarray(_block_major_bytes(trits, shape, block_size, packing)),
+      jnp.asarray(oracles.block_major_bytes(trits, shape, block_size, packing)),
       jnp.asarray(scales.reshape(*blocks, 1)),
   )
   nu = (np.round(rng.uniform(0.0, 2.0, size) * 256) / 256).astype(np.float32)
@@ -158,9 +140,9 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
   assert np.all(per_block(np.abs(m), np.max) <= bound), message
   # |t| = [u s < |m|] with the documented uniforms.
   scale = np.repeat(bound, block_size)[:size]
-  trits = np.where(_uniforms(rounding_seed, size) * scale < np.abs(m), np.sign(m), 0)
+  trits = np.where(oracles.uniforms(rounding_seed, size) * scale < np.abs(m), np.sign(m), 0)
   np.testing.assert_array_equal(
-      step.momentum.packed, _block_major_bytes(trits, shape, block_size, packing), err_msg=message
+      step.momentum.packed, oracles.block_major_bytes(trits, shape, block_size, packing), err_msg=message
   )
 
   g, nu64 = np.asarray(grad, np.float64), np.asarray(nu, np.float64)
