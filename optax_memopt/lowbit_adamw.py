@@ -108,7 +108,7 @@ def scale_by_lowbit_adam(
   where ``lerp`` is torch's (``a + w (b - a)`` for ``w < 0.5``), computed
   in float32, and ``Q`` stores each block of ``block_size`` elements as its
   absmax ``s`` and, per element, the nearest entry of a map to ``x / s``
-  (``pallas_kernels.quantize.map_scales``, ``map_encode``). Tensors below
+  (``pallas_kernels.map_codes.map_scales``, ``map_encode``). Tensors below
   ``min_quantized_size`` elements keep float32 ``m`` and ``v`` (``Q`` is the
   identity). The direction uses the unrounded moments of the step.
 

@@ -2,7 +2,7 @@ r"""One step of 8-bit, 4-bit or fp8 AdamW for one tensor: decode, update, re-enc
 
 The moments ``m`` and ``v`` of a tensor are stored as codes with one absmax
 scale per block of ``block_size`` consecutive elements of the flattened
-tensor (:func:`pallas_kernels.quantize.map_scales`, ``map_encode``; the last block may be
+tensor (:func:`pallas_kernels.map_codes.map_scales`, ``map_encode``; the last block may be
 shorter). One step reads the gradient ``g`` and the stored moments once,
 and writes the new codes, scales and the direction once:
 
@@ -82,13 +82,13 @@ from jax import lax
 
 from pallas_kernels import _backend
 from pallas_kernels import dispatch
-from pallas_kernels import quantize
+from pallas_kernels import map_codes
 from pallas_kernels import static_args
 from pallas_kernels.blocks import blocks_shape, from_blocks, to_blocks
 
 
 class StateFormat(NamedTuple):
-  """How a format codes ``m`` and ``v``: names of ``quantize`` codes, and its default block."""
+  """How a format codes ``m`` and ``v``: names of ``map_codes`` codes, and its default block."""
 
   mu_code: str
   nu_code: str
@@ -98,7 +98,7 @@ class StateFormat(NamedTuple):
 STATE_FORMATS: dict[str, StateFormat] = {
     "8bit": StateFormat("dynamic_8bit_signed", "dynamic_8bit_unsigned", 256),
     "4bit": StateFormat("dynamic_4bit_signed", "linear_4bit_unsigned", 128),
-    "fp8": StateFormat(quantize.FLOAT8_CODE, quantize.FLOAT8_CODE, 256),
+    "fp8": StateFormat(map_codes.FLOAT8_CODE, map_codes.FLOAT8_CODE, 256),
 }
 
 
@@ -140,7 +140,7 @@ def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int)
   block_size = static_args.check_int("block_size", block_size, 1)
   shape = tuple(shape)
   scales = jax.ShapeDtypeStruct((*blocks_shape(shape, block_size), 1), jnp.float32)
-  codes = jax.ShapeDtypeStruct(shape, quantize.code_dtype(state.mu_code))
+  codes = jax.ShapeDtypeStruct(shape, map_codes.code_dtype(state.mu_code))
   nu = None if _paired(state_format) else codes
   return LowbitMoments(codes, nu, scales, scales)
 
@@ -279,18 +279,18 @@ def lowbit_adamw_update_reference(
   mu_codes, nu_codes = _split_codes(moments, state_format)
 
   def new_moments(zero):
-    mu = quantize.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code)
-    nu = quantize.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code)
+    mu = map_codes.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code)
+    nu = map_codes.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code)
     return _moments(grad, mu, nu, b1, b2, zero)
 
   count = jnp.asarray(count)
   mu, nu = new_moments(_opaque_zero(count))
   scales = [
-      quantize.map_scales(to_blocks(x, blocks, block_size), code=code)
+      map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
       for x, code in ((mu, state.mu_code), (nu, state.nu_code))
   ]
   codes = [
-      quantize.map_encode(x, per_element(s), code=code)
+      map_codes.map_encode(x, per_element(s), code=code)
       for x, s, code in zip(new_moments(_codes_zero(count)), scales, (state.mu_code, state.nu_code))
   ]
   direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
@@ -400,7 +400,7 @@ def kernel_unsupported_reason(block_size: int) -> str | None:
 
 def _kernel_decode(codes: jax.Array, scale: jax.Array, code: str, table_ref: Any, zero: jax.Array) -> jax.Array:
   """``map[codes] * scale`` by a scan over the map (Mosaic GPU has no gather)."""
-  if code == quantize.FLOAT8_CODE:
+  if code == map_codes.FLOAT8_CODE:
     return _rounded(codes.astype(jnp.float32) * scale, zero)
   index = codes.astype(jnp.int32)
 
@@ -409,12 +409,12 @@ def _kernel_decode(codes: jax.Array, scale: jax.Array, code: str, table_ref: Any
 
   # Carries start from the loaded zeros: a constant vector has another
   # layout in Mosaic GPU than the loop's results.
-  entry = lax.fori_loop(1, quantize.CODE_MAPS[code].size, select, zero.astype(jnp.float32) + table_ref[0])
+  entry = lax.fori_loop(1, map_codes.CODE_MAPS[code].size, select, zero.astype(jnp.float32) + table_ref[0])
   return _rounded(entry * scale, zero)
 
 
 def _kernel_encode(values: jax.Array, scale: jax.Array, code: str, table_ref: Any, zero: jax.Array) -> jax.Array:
-  """Codes of ``values / scale``: :func:`quantize.nearest_map_code_reference` by a scan over the map.
+  """Codes of ``values / scale``: :func:`map_codes.nearest_map_code_reference` by a scan over the map.
 
   The last entry ``<= x`` (0 below the first) counts the entries above the
   first that are ``<= x``; the entry above it is the smallest one ``> x``.
@@ -422,9 +422,9 @@ def _kernel_encode(values: jax.Array, scale: jax.Array, code: str, table_ref: An
   # A true division by the scale also in the interpreter, where XLA would
   # multiply by the scale's reciprocal: the divisor is an array of its own.
   ratio = values / _rounded(jnp.broadcast_to(scale, values.shape), zero)
-  if code == quantize.FLOAT8_CODE:
+  if code == map_codes.FLOAT8_CODE:
     return ratio.astype(jnp.float8_e4m3fn)
-  size = quantize.CODE_MAPS[code].size
+  size = map_codes.CODE_MAPS[code].size
 
   def compare(j, carry):
     index, below, above = carry
@@ -458,7 +458,7 @@ def _step_kernel(*refs: Any, state_format: str, rows: int) -> None:
   """
   state = STATE_FORMATS[state_format]
   paired = _paired(state_format)
-  uses_maps = state.mu_code != quantize.FLOAT8_CODE
+  uses_maps = state.mu_code != map_codes.FLOAT8_CODE
   refs = list(refs)
   hyper_ref, zero_ref = refs.pop(0), refs.pop(0)
   mu_table_ref, nu_table_ref = (refs.pop(0), refs.pop(0)) if uses_maps else (None, None)
@@ -494,8 +494,8 @@ def _step_kernel(*refs: Any, state_format: str, rows: int) -> None:
   mu_absmax, nu_absmax = lax.fori_loop(0, rows, update_row, (start, start))
   scales = []
   for absmax, code, out_ref in ((mu_absmax, state.mu_code, mu_scale_out_ref), (nu_absmax, state.nu_code, nu_scale_out_ref)):
-    scale = jnp.maximum(jnp.max(absmax), quantize.MAP_ZERO_BLOCK_SCALE)
-    if code == quantize.FLOAT8_CODE:
+    scale = jnp.maximum(jnp.max(absmax), map_codes.MAP_ZERO_BLOCK_SCALE)
+    if code == map_codes.FLOAT8_CODE:
       # 448 read from an input: a division by a constant would be compiled
       # as a multiplication by its inexact reciprocal.
       scale = scale / hyper_ref[_FLOAT8_MAX]
@@ -523,7 +523,7 @@ def _kernel_hyperparameters(count: Any, b1: Any, b2: Any, eps: Any) -> jax.Array
           jnp.asarray(x, jnp.float32)
           for x in (
               _one_minus(b1), _one_minus(b2), bias_correction_1, root_bias_correction_2, eps,
-              quantize.FLOAT8_MAX,
+              map_codes.FLOAT8_MAX,
           )
       ]
   )
@@ -575,8 +575,8 @@ def _kernel_step(
       scratch_types=[plgpu.SMEM((rows, KERNEL_ROW), jnp.float32)] * 2,
   )
   inputs = [_kernel_hyperparameters(count, b1, b2, eps), _opaque_zero(count) + jnp.zeros((KERNEL_ROW,), jnp.int32)]
-  if state.mu_code != quantize.FLOAT8_CODE:
-    inputs += [jnp.asarray(quantize.CODE_MAPS[state.mu_code]), jnp.asarray(quantize.CODE_MAPS[state.nu_code])]
+  if state.mu_code != map_codes.FLOAT8_CODE:
+    inputs += [jnp.asarray(map_codes.CODE_MAPS[state.mu_code]), jnp.asarray(map_codes.CODE_MAPS[state.nu_code])]
   inputs += [as_rows(grad), as_rows(moments.mu)] + ([] if paired else [as_rows(moments.nu)])
   inputs += [as_scales(moments.mu_scales), as_scales(moments.nu_scales)]
   outputs = list(kernel(*inputs))

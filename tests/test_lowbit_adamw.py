@@ -109,9 +109,9 @@ def numpy_adamw(kind, params, grads_per_step, *, lr, b1, b2, eps, weight_decay, 
 
 
 def decoded_moments(kind, state, name, block_size):
-  """The stored moments of one parameter, decoded through the public quantizer."""
+  """The stored moments of one parameter, decoded through the public map codes."""
   from pallas_kernels import lowbit_adamw_update as fused_step
-  from pallas_kernels import quantize
+  from pallas_kernels import map_codes
 
   state_format = fused_step.STATE_FORMATS[kind.split("_")[1]]
   mu, nu = state.mu[name], state.nu[name]
@@ -121,8 +121,8 @@ def decoded_moments(kind, state, name, block_size):
     mu, nu = mu & 15, mu >> 4
   decoded = []
   for codes, scales, code in ((mu, state.mu_scales[name], state_format.mu_code), (nu, state.nu_scales[name], state_format.nu_code)):
-    q = quantize.MapQuantized(codes.reshape(-1), scales.reshape(-1))
-    decoded.append(np.asarray(quantize.map_dequantize(q, size=codes.size, code=code, block_size=block_size)).reshape(codes.shape))
+    q = map_codes.MapQuantized(codes.reshape(-1), scales.reshape(-1))
+    decoded.append(np.asarray(map_codes.map_dequantize(q, size=codes.size, code=code, block_size=block_size)).reshape(codes.shape))
   return decoded
 
 
