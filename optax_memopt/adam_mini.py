@@ -46,6 +46,8 @@ class ScaleByAdamMiniState(NamedTuple):
   # at least float32.
   nu: optax.Updates
 
+  field_layouts = {"count": sharding.Layout.REPLICATED, "mu": sharding.Layout.PARAM, "nu": sharding.Layout.KEEPDIMS}
+
 
 def _is_inexact(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)

@@ -69,6 +69,11 @@ class ScaleByLowbitAdamState(NamedTuple):
   mu_scales: optax.Updates
   nu_scales: optax.Updates  # As mu_scales.
 
+  field_layouts = {
+      "count": sharding.Layout.REPLICATED, "mu": sharding.Layout.PARAM, "nu": sharding.Layout.PARAM,
+      "mu_scales": sharding.Layout.BLOCK_SCALES, "nu_scales": sharding.Layout.BLOCK_SCALES,
+  }
+
 
 def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size, implementation):
   hyperparameters.check_decay_rate("b1", b1)

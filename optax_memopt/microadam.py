@@ -50,6 +50,13 @@ class ScaleByMicroAdamState(NamedTuple):
   # minimum, maximum: shape=(ceil(d / bucket_size),), dtype=jnp.bfloat16.
   error: quantize.QuantizedArray
 
+  field_layouts = {
+      "count": sharding.Layout.REPLICATED,
+      "indices": sharding.Layout.FLAT,
+      "values": sharding.Layout.FLAT,
+      "error": sharding.Layout.FLAT,
+  }
+
 
 def _check_hyperparameters(
     b1, b2, eps, window, density, block_size, bucket_size, implementation

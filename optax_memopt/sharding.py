@@ -5,12 +5,16 @@ rings of sparse entries, per-block statistics), so ``jax.jit`` cannot guess
 their shardings from the parameters'. :func:`state_shardings` gives each
 state leaf a sharding that follows its parameter's, for the ``out_shardings``
 of ``jax.jit(optimizer.init)`` and of a train step, or a checkpoint restore's
-target. :func:`typed_like_inputs` lets an update run under a mesh whose axes
+target. Each of our states declares how its fields lie relative to their
+parameters (:class:`Layout`, a state class's ``field_layouts``); states that
+declare nothing (optax's own, a wrapper's buffers) are laid out by their
+shapes. :func:`typed_like_inputs` lets an update run under a mesh whose axes
 are ``AxisType.Explicit``.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -19,6 +23,64 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from optax_memopt import leaves
+
+
+class Layout(enum.Enum):
+  """How the arrays of a state field lie relative to their parameter of shape ``(..., rows, columns)``.
+
+  A state class declares one per field in a class attribute
+  ``field_layouts: dict[str, Layout | None]``; every array under the field (a
+  tree like the parameters, or a few such trees) has that layout. ``None``
+  marks a field holding states that declare their own.
+  """
+
+  #: Shaped like the parameter, sharded as it is.
+  PARAM = "param"
+  #: ``(..., blocks, per_block)``: the last axis cut into blocks, block-major
+  #: (packed codes, their ``(..., blocks, 1)`` scales, per-block heavy hitters).
+  BLOCKS = "blocks"
+  #: The per-block scales of codes kept in the parameter's own shape:
+  #: ``(..., blocks, 1)`` where blocks tile the last axis, else ``(blocks, 1)``
+  #: over the flattened parameter.
+  BLOCK_SCALES = "block_scales"
+  #: One value per row, ``(..., rows, 1)``, in a state with ``BLOCKS`` fields:
+  #: the rows sharded as those fields' rows.
+  ROWS = "rows"
+  #: The parameter's rank, each axis its full size or reduced.
+  KEEPDIMS = "keepdims"
+  #: Buffers with no axis of the parameter's (packed codes of the flattened
+  #: parameter, rings of sparse entries), and statistics that reduce a
+  #: sharded axis: cut over the whole mesh as far as their shape allows.
+  FLAT = "flat"
+  #: Not a parameter's (step counts, PRNG keys): replicated.
+  REPLICATED = "replicated"
+
+
+def declared_layouts(state: Any) -> list[Layout | None]:
+  """Per leaf of ``state`` (in ``jax.tree.leaves`` order): its declared layout, or None.
+
+  A field's declaration covers every array under it, except where a state
+  nested in the field declares its own.
+
+  Raises:
+    ValueError: a state class's ``field_layouts`` does not name each of its fields once.
+  """
+
+  def walk(node: Any, layout: Layout | None) -> list[Layout | None]:
+    declared = getattr(type(node), "field_layouts", None)
+    if declared is not None and isinstance(node, tuple) and hasattr(node, "_fields"):
+      if set(declared) != set(node._fields) or not all(isinstance(v, Layout | None) for v in declared.values()):
+        raise ValueError(
+            f"{type(node).__name__}.field_layouts must give a Layout (or None) for each of its fields"
+            f" {node._fields}; got {declared!r}."
+        )
+      return [leaf for field in node._fields for leaf in walk(getattr(node, field), declared[field] or layout)]
+    children = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)[0]
+    if len(children) == 1 and children[0] is node:
+      return [layout]
+    return [leaf for child in children for leaf in walk(child, layout)]
+
+  return walk(state, None)
 
 
 def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -165,34 +227,33 @@ def _block_major_spec(
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """Shardings for an optimizer state that follow the parameters' shardings.
 
-  Each state leaf is placed after its parameter (see :func:`owners`) and
-  the other fields of its own state (a wrapper's buffers, such as
-  ``optax.MultiSteps``' accumulated gradients, are a state of their own):
+  Each state leaf is placed after its parameter (see :func:`owners`). A
+  leaf of a state that declares its fields' layouts (:class:`Layout`; all of
+  ours do) is placed as its field declares; a leaf shaped like its parameter
+  takes the parameter's sharding whatever its field, and every leaf of a
+  replicated parameter is replicated. The ``BLOCKS`` of a sharded parameter
+  carry the mesh axes of its last axis on ``blocks`` where they divide it;
+  otherwise block-major codes whose blocks cut the last axis evenly put those
+  mesh axes on the rows (ternary Adam's 3 blocks of a 384-wide row over 2
+  devices), and everything else is replicated over them (``BLOCK_SCALES``: a
+  device needs the scale of every block its columns touch).
+
+  Leaves of states that declare nothing (optax's own; a wrapper's buffers,
+  such as ``optax.MultiSteps``' accumulated gradients, are a state of their
+  own) are placed by their shapes, after the other fields of their state:
 
   * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
     sharding, so elementwise updates need no communication;
-  * the parameter is replicated: replicated;
   * the parameter's shape with its last axis cut into blocks,
-    ``(*shape[:-1], blocks, per_block)`` (ternary Adam's block-major codes and
-    their ``(..., blocks, 1)`` scales, TACO's heavy hitters per row part):
-    sharded as the parameter on the leading axes, with the mesh axes of its
-    last axis on ``blocks`` where they divide it. Otherwise block-major
-    codes whose blocks cut the last axis evenly put those mesh axes on the
-    rows, and everything else is replicated over them (the scales of codes
-    kept in the parameter's layout: a device needs the scale of every block
-    its columns touch);
-  * one value per row, ``(*shape[:-1], 1)``, of a parameter that also has
-    block-major leaves (TACO's per-row scales): the rows sharded as those
-    leaves' rows;
-  * some axes the same size as the parameter's at the same position (keep-dims
-    per-block statistics, per-row buffers): those axes sharded as the
-    parameter's, the rest replicated;
-  * one value per block of the flattened parameter, ``(blocks, 1)``, in a
-    state whose codes keep the parameter's layout (low-bit AdamW's scales where blocks
-    cross rows): split as the parameter's first axis, whose shards are
-    contiguous runs of the flattened parameter;
-  * no axis in common (flat packed codes, rings of sparse entries): cut by
-    :func:`split_spec` over the whole mesh.
+    ``(*shape[:-1], blocks, per_block)``: as ``BLOCKS`` (as ``BLOCK_SCALES``
+    in a state with a field shaped like the parameter);
+  * ``(*shape[:-1], 1)`` in a state that also has such block-major leaves:
+    as ``ROWS``;
+  * some axes the same size as the parameter's at the same position: those
+    axes sharded as the parameter's, the rest replicated (``KEEPDIMS``);
+  * ``(blocks, 1)`` in a state with a field shaped like the parameter: as
+    ``BLOCK_SCALES``;
+  * anything else: as ``FLAT``, cut by :func:`split_spec` over the whole mesh.
 
   Leaves of no parameter (step counts, PRNG keys) are replicated.
 
@@ -220,6 +281,7 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
   replicated = NamedSharding(mesh, PartitionSpec())
   state_leaves, treedef = jax.tree.flatten(state)
+  layouts = declared_layouts(state)
   # A leaf's owner: its parameter's index and the state it is a field of
   # (the fields of one state are laid out together).
   state_owners = _owners_in_containers(state, params)
@@ -235,23 +297,53 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       if owner[0] >= 0 and tuple(leaf.shape) == tuple(param_leaves[owner[0]][0].shape)
   }
 
-  def block_major_spec(leaf, owner):
+  def block_major_spec(leaf, owner, *, in_param_layout):
     """The leaf's spec if it cuts its sharded parameter's last axis into blocks, else None."""
     param, sharding = param_leaves[owner[0]]
     if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
       return None
     return _block_major_spec(
-        leaf.shape, param.shape, param_spec(param, sharding), mesh,
-        codes_in_param_layout=owner in codes_in_param_layout,
+        leaf.shape, param.shape, param_spec(param, sharding), mesh, codes_in_param_layout=in_param_layout
     )
+
+  def guessed_block_major_spec(leaf, owner):
+    return block_major_spec(leaf, owner, in_param_layout=owner in codes_in_param_layout)
 
   # The rows' spec of each state's block-major leaves, which its per-row
   # values (TACO's scales) share: the partitioner derives those from them.
-  block_rows = {
-      owner: spec[-3]
-      for leaf, owner in zip(state_leaves, state_owners)
-      if owner[0] >= 0 and (spec := block_major_spec(leaf, owner)) is not None
-  }
+  block_rows = {}
+  for leaf, owner, layout in zip(state_leaves, state_owners, layouts):
+    if owner[0] < 0 or layout not in (None, Layout.BLOCKS):
+      continue
+    spec = block_major_spec(leaf, owner, in_param_layout=False) if layout else guessed_block_major_spec(leaf, owner)
+    if spec is not None:
+      block_rows[owner] = spec[-3]
+
+  def place_declared(leaf, owner, layout):
+    index = owner[0]
+    if index < 0 or layout is Layout.REPLICATED:
+      return replicated
+    param, sharding = param_leaves[index]
+    shape, leaf_shape = tuple(param.shape), tuple(leaf.shape)
+    # Small parameters keep a dense copy in any field (low-bit AdamW's float32 moments).
+    if leaf_shape == shape:
+      return sharding
+    if sharding.is_fully_replicated:
+      return replicated
+    spec = param_spec(param, sharding)
+    if layout is Layout.PARAM:
+      raise ValueError(f"a state leaf declared Layout.PARAM has shape {leaf_shape}, its parameter {shape}.")
+    if layout in (Layout.BLOCKS, Layout.BLOCK_SCALES) and len(leaf_shape) == len(shape) + 1:
+      block_spec = block_major_spec(leaf, owner, in_param_layout=layout is Layout.BLOCK_SCALES)
+      if block_spec is not None:
+        return NamedSharding(mesh, block_spec)
+    elif layout is Layout.BLOCK_SCALES and _flat_blocks(leaf_shape, shape, spec[0], mesh):
+      return NamedSharding(mesh, PartitionSpec(spec[0], None))
+    elif layout is Layout.ROWS and leaf_shape == (*shape[:-1], 1):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows.get(owner, spec[-2]), None))
+    elif layout is Layout.KEEPDIMS and len(leaf_shape) == len(shape) and any(a == b for a, b in zip(leaf_shape, shape)):
+      return NamedSharding(mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf_shape, shape, spec))))
+    return NamedSharding(mesh, split_spec(leaf_shape, mesh))
 
   def place(leaf, owner):
     index = owner[0]
@@ -264,7 +356,7 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     if sharding.is_fully_replicated:
       return replicated
     spec = param_spec(param, sharding)
-    block_spec = block_major_spec(leaf, owner)
+    block_spec = guessed_block_major_spec(leaf, owner)
     if block_spec is not None:
       return NamedSharding(mesh, block_spec)
     if owner in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
@@ -277,7 +369,10 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
-  return treedef.unflatten([place(leaf, owner) for leaf, owner in zip(state_leaves, state_owners)])
+  return treedef.unflatten([
+      place(leaf, owner) if layout is None else place_declared(leaf, owner, layout)
+      for leaf, owner, layout in zip(state_leaves, state_owners, layouts)
+  ])
 
 
 def _explicit_mesh(tree: Any) -> Any:

@@ -173,6 +173,13 @@ class ScaleByTacoState(NamedTuple):
   # shape=(*batch_shape, n_in, min(parts * slots, 1)), dtype=jnp.bfloat16: a power of two.
   scale: optax.Updates
 
+  field_layouts = {
+      "count": sharding.Layout.REPLICATED,
+      "index": sharding.Layout.BLOCKS,
+      "momentum": sharding.Layout.BLOCKS,
+      "scale": sharding.Layout.ROWS,
+  }
+
 
 def _power_of_two_at_least(x: jax.Array) -> jax.Array:
   """The smallest power of two ``>= x`` (1 for ``x = 0``), no smaller than bfloat16's least normal."""

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_memopt import sharding
 from pallas_kernels import ternary
 
 
@@ -42,6 +43,8 @@ class TernaryMoment(NamedTuple):
   # ternary one.
   dense: optax.Updates
 
+  field_layouts = {"packed": sharding.Layout.BLOCKS, "scales": sharding.Layout.BLOCKS, "dense": sharding.Layout.PARAM}
+
 
 class FactoredSecondMoment(NamedTuple):
   """The second moment ``nu``, one tree per field."""
@@ -56,6 +59,10 @@ class FactoredSecondMoment(NamedTuple):
   # None per ternary matrix.
   dense: optax.Updates
 
+  # The partitioner cuts the statistics over the whole mesh (a reduction over
+  # a sharded axis is scattered over every device), so they are laid out flat.
+  field_layouts = {"row": sharding.Layout.FLAT, "col": sharding.Layout.FLAT, "dense": sharding.Layout.PARAM}
+
 
 class ScaleByTernaryAdamState(NamedTuple):
   """State of ``scale_by_ternary_adam``."""
@@ -64,6 +71,9 @@ class ScaleByTernaryAdamState(NamedTuple):
   key: jax.Array  # uint32 key data of the rounding key, shape of the key's impl.
   mu: TernaryMoment  # Three trees like the params (see TernaryMoment).
   nu: FactoredSecondMoment  # Three trees like the params (see FactoredSecondMoment).
+
+  # mu and nu declare their own fields' layouts.
+  field_layouts = {"count": sharding.Layout.REPLICATED, "key": sharding.Layout.REPLICATED, "mu": None, "nu": None}
 
 
 def is_ternary(param: jax.Array, min_size: int) -> bool:
