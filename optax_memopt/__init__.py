@@ -10,3 +10,30 @@ from optax_memopt.taco import MatrixAxes, ScaleByTacoState, scale_by_taco, taco,
 from optax_memopt.ternary_adam import FactoredSecondMoment, ScaleByTernaryAdamState, scale_by_ternary_adam, ternary_adam
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "adam_mini",
+    "adam_mini_partition",
+    "adamw_4bit",
+    "adamw_8bit",
+    "adamw_fp8",
+    "BlockRule",
+    "FactoredSecondMoment",
+    "MatrixAxes",
+    "microadam",
+    "scale_by_adam_mini",
+    "scale_by_lowbit_adam",
+    "scale_by_microadam",
+    "scale_by_taco",
+    "scale_by_ternary_adam",
+    "ScaleByAdamMiniState",
+    "ScaleByLowbitAdamState",
+    "ScaleByMicroAdamState",
+    "ScaleByTacoState",
+    "ScaleByTernaryAdamState",
+    "state_nbytes",
+    "state_shardings",
+    "taco",
+    "taco_labels",
+    "ternary_adam",
+]
