@@ -1,10 +1,12 @@
-"""The main job: train a small Transformer on real text with a memory-lean optimizer.
+"""The main job: how close to AdamW does a memory-lean optimizer train, for how much memory?
 
 ``python -m optax_memopt`` trains a byte-level Llama-style model on CPython's
-own help pages with the chosen optimizer, shows progress, and prints the
-losses, the optimizer-state bytes next to AdamW's, and the step time. It
-writes the loss curve as JSON and PNG. ``--compare`` runs several optimizers
-on the same data, seed and model and writes one plot and a markdown table.
+own help pages twice, with AdamW and with MicroAdam, on the same data, seed
+and model; shows progress; and prints each run's losses, its optimizer-state
+bytes next to AdamW's, its step time, and a table with the validation loss's
+gap to AdamW. ``--optimizer`` trains one optimizer alone, ``--compare`` any
+several. Each invocation writes its results (JSON, markdown table, loss-curve
+plot) into a folder of its own under ``--out``, named after what it trained.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numbers
 import os
 import pathlib
 import sys
+import time
 
 import jax
 import optax
@@ -28,16 +31,9 @@ MODEL_SIZES = {
     "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
 }
 DEFAULT_OPTIMIZER = "microadam"
-
-# Wall-clock times of the defaults on 2 CPU cores, rounded: 4000 steps at the
-# 14-21 ms per step that `python -m benchmarks.convergence` measures for each
-# optimizer on this model and batch (benchmarks/README.md), plus compiling.
-DEFAULT_RUN_TIME = (
-    "On 2 CPU cores the defaults take about 1.5 minutes for one run (4000 steps of\n"
-    "14-21 ms, plus compiling), and about as long per optimizer for --compare with\n"
-    f"no names ({len(optimizers.OPTIMIZERS)} optimizers, about {round(1.5 * len(optimizers.OPTIMIZERS))} minutes). For a first look:\n"
-    "  python -m optax_memopt --compare adamw microadam --model-size tiny --steps 300"
-)
+# What a run with neither --optimizer nor --compare trains: the baseline and one compressed optimizer.
+DEFAULT_RUN = (report.BASELINE, DEFAULT_OPTIMIZER)
+RESULTS_JSON, RESULTS_TABLE, RESULTS_PLOT = "results.json", "results.md", "losses.png"
 
 
 def learning_rate_schedule(peak: float, steps: int) -> optax.Schedule:
@@ -111,7 +107,9 @@ def _epilog() -> str:
       "under --compare the other optimizers still train, and the run exits with",
       "status 1 after writing every result, the diverged runs marked.",
       "",
-      DEFAULT_RUN_TIME,
+      "How long a run takes depends on the machine: the progress line shows the pace",
+      "and the time left, and the run ends by saying how long --compare of every",
+      "optimizer would take at that pace.",
   ]
   return "\n".join(lines)
 
@@ -125,11 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   which = parser.add_mutually_exclusive_group()
   which.add_argument("--optimizer", choices=list(optimizers.OPTIMIZERS), default=None,
-                     help=f"the optimizer to train with (default: {DEFAULT_OPTIMIZER})")
+                     help="train this optimizer alone (default: neither this nor --compare:"
+                          f" {' and '.join(DEFAULT_RUN)}, compared)")
   which.add_argument("--compare", nargs="*", metavar="OPTIMIZER", default=None,
                      help="train each of these optimizers in turn and compare them"
                           f" (all {len(optimizers.OPTIMIZERS)} when none is named)")
-  parser.add_argument("--steps", type=_int_at_least(1), default=4000, help="training steps")
+  parser.add_argument("--steps", type=_int_at_least(1), default=2000, help="training steps per optimizer")
   sizes = ", ".join(f"{name} {model.parameter_count(c):,}" for name, c in MODEL_SIZES.items())
   parser.add_argument("--model-size", default="small", choices=list(MODEL_SIZES),
                       help=f"the Transformer's size (parameters: {sizes})")
@@ -145,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--corpus", default="pydoc_topics", choices=sorted(loop.data.CORPORA),
                       help="the text to train on, shipped with Python")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
-                      help="folder for the JSON, PNG and markdown results (created if missing)")
+                      help="each run writes its JSON, markdown and PNG results into a folder of its"
+                           " own in this one, named after the optimizers it trains (created if missing)")
   parser.add_argument("--quiet", action="store_true", help="no progress line")
   return parser
 
@@ -177,12 +177,24 @@ def _prepare_output_folder(parser: argparse.ArgumentParser, out: pathlib.Path) -
     parser.error(f"--out: cannot write into the folder {out}")
 
 
+def run_folder(out: pathlib.Path, names: list[str]) -> pathlib.Path:
+  """Where a run of ``names`` writes: its own folder, so that no run overwrites another's results."""
+  if sorted(names) == sorted(optimizers.OPTIMIZERS):
+    return out / "all-optimizers"
+  return out / "-vs-".join(names)
+
+
+def _duration(seconds: float) -> str:
+  return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def progress_printer(name: str, steps: int):
   def show(step: int, loss: float, steps_per_second: float) -> None:
     done = int(30 * step / steps)
+    left = f"  {_duration((steps - step) / steps_per_second)} left" if steps_per_second > 0 else ""
     sys.stderr.write(
         f"\r{name:>12} [{'#' * done}{'.' * (30 - done)}] {step}/{steps}"
-        f"  loss {loss:.3f}  {steps_per_second:.1f} steps/s"
+        f"  loss {loss:.3f}  {steps_per_second:.1f} steps/s{left}\x1b[K"
     )
     if step == steps:
       sys.stderr.write("\n")
@@ -196,6 +208,7 @@ def run(name: str, args, config: model.TransformerConfig) -> dict:
   spec = optimizers.get(name)
   peak = spec.default_learning_rate if args.learning_rate is None else args.learning_rate
   optimizer = spec.build(learning_rate_schedule(peak, args.steps), config)
+  started = time.perf_counter()
   try:
     result = loop.train(
         config, optimizer, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -207,8 +220,10 @@ def run(name: str, args, config: model.TransformerConfig) -> dict:
       sys.stderr.write("\n")
     print(f"error: {name}: {error} (peak learning rate {peak:g}); try a smaller --learning-rate",
           file=sys.stderr)
-    return report.summary(name, error.result, diverged_at_step=error.step) | {"learning_rate": peak}
-  return report.summary(name, result) | {"learning_rate": peak}
+    row = report.summary(name, error.result, diverged_at_step=error.step)
+  else:
+    row = report.summary(name, result)
+  return row | {"learning_rate": peak, "seconds": time.perf_counter() - started}
 
 
 def print_result(row: dict) -> None:
@@ -239,40 +254,55 @@ def run_title(row: dict, args) -> str:
 def main(argv=None) -> int:
   args = parse_args(argv)
   config = MODEL_SIZES[args.model_size]
-  if args.compare is None:
-    names = [args.optimizer or DEFAULT_OPTIMIZER]
-  else:
+  if args.optimizer is not None:
+    names = [args.optimizer]
+  elif args.compare is not None:
     names = args.compare or list(optimizers.OPTIMIZERS)
+  else:
+    names = list(DEFAULT_RUN)
+  folder = run_folder(args.out, names)
   print(
       f"JAX {jax.__version__} on {jax.default_backend()}: {args.model_size} model"
       f" ({model.parameter_count(config):,} parameters), {args.steps} steps of"
-      f" {args.batch_size}x{args.seq_len} bytes of {args.corpus}, seed {args.seed}"
+      f" {args.batch_size}x{args.seq_len} bytes of {args.corpus}, seed {args.seed}:"
+      f" {', '.join(names)}"
   )
+  if (folder / RESULTS_JSON).exists():
+    print(f"replacing the results of an earlier run in {folder}/")
   rows = []
   for name in names:
     row = run(name, args, config)
     print_result(row)
     rows.append(row)
-    report.write_json(args.out / f"{name}.json", row)
-    # AdamW's curve for reference when this invocation has already trained it.
-    reference = [r for r in rows if r["optimizer"] == report.BASELINE and r is not row]
-    report.plot_losses(args.out / f"{name}.png", [row] + reference, run_title(row, args))
-  if args.compare is not None:
+    report.write_json(folder / RESULTS_JSON, rows)  # After each run: an interrupted comparison keeps what it did.
+  if len(rows) > 1:
     table = report.markdown_table(rows)
     print(table)
-    (args.out / "compare.md").write_text(table + "\n")
-    report.plot_losses(
-        args.out / "compare.png", rows,
-        f"{args.model_size} model ({rows[0]['n_params']:,} parameters) on {args.corpus},"
-        f" {args.steps} steps",
-    )
-    report.write_json(args.out / "compare.json", rows)
-  print(f"results written to {args.out}/")
+    title = (f"{args.model_size} model ({rows[0]['n_params']:,} parameters) on {args.corpus},"
+             f" {args.steps} steps")
+  else:
+    table = report.markdown_table(rows, baseline=None)
+    title = run_title(rows[0], args)
+  (folder / RESULTS_TABLE).write_text(table + "\n")
+  report.plot_losses(folder / RESULTS_PLOT, rows, title)
+  print(f"results written to {folder}/ ({RESULTS_JSON}, {RESULTS_TABLE}, {RESULTS_PLOT})")
+  print(next_steps(names, rows))
   diverged = [r["optimizer"] for r in rows if r["diverged_at_step"] is not None]
   if diverged:
     print(f"error: {len(diverged)} of {len(rows)} runs diverged: {', '.join(diverged)}", file=sys.stderr)
     return 1
   return 0
+
+
+def next_steps(names: list[str], rows: list[dict]) -> str:
+  """What to run next, with how long training every optimizer would take at this run's measured pace."""
+  every = len(optimizers.OPTIMIZERS)
+  pace = sum(r["seconds"] for r in rows) / len(rows)
+  compare_all = f"--compare alone trains all {every} (about {_duration(every * pace)} at this run's pace)"
+  if report.BASELINE not in names:
+    return (f"How close to AdamW does it train? python -m optax_memopt --compare {report.BASELINE}"
+            f" {' '.join(names)} (and this run's options); {compare_all}.")
+  return f"Next: python -m optax_memopt --compare NAME ... trains the optimizers you name; {compare_all}."
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def test_main_job_compares_optimizers_and_writes_results(tmp_path, capsys):
   code = main_job.main(["--compare", "adamw", "adafactor", "--steps", "12", "--out", str(tmp_path)] + TINY_RUN)
   out = capsys.readouterr().out
   assert code == 0
-  rows = json.loads((tmp_path / "compare.json").read_text())
+  rows = json.loads((tmp_path / "adamw-vs-adafactor" / "results.json").read_text())
   assert [r["optimizer"] for r in rows] == ["adamw", "adafactor"]
   assert len(rows[0]["train_losses"]) == 12
   assert [r["learning_rate"] for r in rows] == [3e-3, 1e-2]  # Each optimizer's own.
@@ -101,8 +101,42 @@ def test_main_job_compares_optimizers_and_writes_results(tmp_path, capsys):
   assert f"adafactor: train loss {adafactor['final_train_loss']:.3f}" in out
   assert f"= {adafactor['state_bytes'] / n:.3f} B/param, {(8 * n + 4) / adafactor['state_bytes']:.1f}x less" in out
   assert f"| adafactor | {adafactor['final_train_loss']:.3f} | {adafactor['validation_loss']:.3f}" in out
-  for name in ("compare.png", "compare.md", "adamw.png", "adamw.json", "adafactor.png"):
-    assert (tmp_path / name).stat().st_size > 0
+  assert sorted(path.name for path in tmp_path.iterdir()) == ["adamw-vs-adafactor"]
+  for name in ("results.json", "results.md", "losses.png"):
+    assert (tmp_path / "adamw-vs-adafactor" / name).stat().st_size > 0
+
+
+def test_the_default_run_compares_adamw_with_a_compressed_optimizer(tmp_path, capsys, monkeypatch):
+  """How close to AdamW, for how much memory: both trained, the gap and the state ratio printed."""
+  monkeypatch.setitem(main_job.MODEL_SIZES, "small", main_job.MODEL_SIZES["tiny"])
+  code = main_job.main(["--steps", "4", "--batch-size", "2", "--seq-len", "8", "--quiet", "--out", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert code == 0
+  rows = json.loads((tmp_path / "adamw-vs-microadam" / "results.json").read_text())
+  adamw, microadam = rows
+  assert (adamw["optimizer"], microadam["optimizer"]) == ("adamw", "microadam")
+  gap = microadam["validation_loss"] - adamw["validation_loss"]
+  ratio = adamw["state_bytes"] / microadam["state_bytes"]
+  assert f"| microadam | {microadam['final_train_loss']:.3f} | {microadam['validation_loss']:.3f} | {gap:+.3f}" in out
+  assert f"| {ratio:.1f}x |" in out
+  assert "--compare alone trains all 11 (about" in out
+
+
+def test_each_run_writes_its_own_folder_and_says_when_it_replaces_one(tmp_path, capsys):
+  single = ["--optimizer", "adafactor", "--steps", "3", "--out", str(tmp_path)] + TINY_RUN
+  compare = ["--compare", "adafactor", "adamw", "--steps", "3", "--out", str(tmp_path)] + TINY_RUN
+  assert main_job.main(single) == 0
+  first = capsys.readouterr().out
+  assert "replacing" not in first
+  assert "How close to AdamW does it train? python -m optax_memopt --compare adamw adafactor" in first
+  assert main_job.main(compare) == 0
+  assert "replacing" not in capsys.readouterr().out
+  assert [row["optimizer"] for row in json.loads((tmp_path / "adafactor" / "results.json").read_text())] == [
+      "adafactor"]
+  assert [row["optimizer"] for row in json.loads((tmp_path / "adafactor-vs-adamw" / "results.json").read_text())] == [
+      "adafactor", "adamw"]
+  assert main_job.main(single) == 0
+  assert f"replacing the results of an earlier run in {tmp_path / 'adafactor'}/" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -142,7 +176,7 @@ def test_learning_rate_zero_is_honoured(tmp_path):
   config = main_job.MODEL_SIZES["tiny"]
   code = main_job.main(["--optimizer", "adamw", "--learning-rate", "0", "--steps", "3",
                         "--out", str(tmp_path)] + TINY_RUN)
-  row = json.loads((tmp_path / "adamw.json").read_text())
+  (row,) = json.loads((tmp_path / "adamw" / "results.json").read_text())
   assert code == 0 and row["learning_rate"] == 0.0
   # The parameters did not move: the held-out loss is the initial model's.
   graphdef, initial = loop.init_params(config, seed=0)
@@ -158,7 +192,8 @@ def test_a_diverging_run_is_reported_and_the_comparison_finishes(tmp_path, capsy
   code = main_job.main(["--compare", "adamw", "adamw_at_1e-3", "--learning-rate", "1000",
                         "--steps", "6", "--out", str(tmp_path)] + TINY_RUN)
   captured = capsys.readouterr()
-  diverged, steady = json.loads((tmp_path / "compare.json").read_text())
+  folder = tmp_path / "adamw-vs-adamw_at_1e-3"
+  diverged, steady = json.loads((folder / "results.json").read_text())
   step = diverged["diverged_at_step"]
   assert code == 1
   assert 1 < step <= 6 and len(diverged["train_losses"]) == step - 1
@@ -167,19 +202,21 @@ def test_a_diverging_run_is_reported_and_the_comparison_finishes(tmp_path, capsy
   assert "error: 1 of 2 runs diverged: adamw" in captured.err
   assert f"| adamw | diverged at step {step} |" in captured.out
   assert steady["diverged_at_step"] is None and np.isfinite(steady["validation_loss"])
-  assert (tmp_path / "compare.png").stat().st_size > 0
+  assert (folder / "losses.png").stat().st_size > 0
 
 
-def test_help_lists_every_default_and_the_time_the_defaults_take(capsys):
+def test_help_lists_every_default_and_how_to_see_the_time_a_run_takes(capsys):
   with pytest.raises(SystemExit) as exit_info:
     main_job.main(["--help"])
   out = " ".join(capsys.readouterr().out.split())  # Undo argparse's line wrapping.
   assert exit_info.value.code == 0
-  for default in ("microadam", "4000", "small", "16", "64", "0", "pydoc_topics", "results"):
+  assert "(default: neither this nor --compare: adamw and microadam, compared)" in out
+  for default in ("2000", "small", "16", "64", "0", "pydoc_topics", "results"):
     assert f"(default: {default})" in out
+  assert out.count("(default:") == 9  # Each option's once.
   for name, spec in optimizers.OPTIMIZERS.items():
     assert f"{name} {spec.default_learning_rate:g} " in out
-  assert "On 2 CPU cores the defaults take about" in out and "minutes" in out
+  assert "the progress line shows the pace and the time left" in out
 
 
 @pytest.mark.parametrize("peak", [-1e-3, float("nan"), float("inf"), "3e-3"])
