@@ -40,7 +40,6 @@ import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
 
-from pallas_kernels import dispatch
 from pallas_kernels import lowbit_adamw_update as fused_step
 from pallas_kernels import xla_cpu
 
@@ -75,18 +74,13 @@ class ScaleByLowbitAdamState(NamedTuple):
   }
 
 
-def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size, implementation):
+def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size):
   hyperparameters.check_decay_rate("b1", b1)
   hyperparameters.check_decay_rate("b2", b2)
   hyperparameters.check_non_negative("eps", eps)
   fused_step.check_state_format(state_format)
   hyperparameters.check_int("block_size", block_size, 1)
   hyperparameters.check_int("min_quantized_size", min_quantized_size, 0)
-  dispatch.check(implementation)
-  if implementation in ("pallas", "interpret"):
-    reason = fused_step.kernel_unsupported_reason(block_size)
-    if reason is not None:
-      raise ValueError(reason)
 
 
 def scale_by_lowbit_adam(
@@ -97,7 +91,6 @@ def scale_by_lowbit_adam(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quantized_size: int = 4096,
-    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   r"""Rescales updates like Adam, with the moments stored in 8 bits, 4 bits or fp8.
 
@@ -127,8 +120,6 @@ def scale_by_lowbit_adam(
       (256, 128, 256), the reference's.
     min_quantized_size: tensors with fewer elements keep float32 moments
       (4096, as bitsandbytes and torchao).
-    implementation: the fused step's: ``None`` (XLA until the Pallas kernel
-      measures faster on a GPU), ``"xla"``, ``"pallas"`` or ``"interpret"``.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -157,7 +148,7 @@ def scale_by_lowbit_adam(
   state_spec = fused_step.check_state_format(state_format)
   if block_size is None:
     block_size = state_spec.block_size
-  _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size, implementation)
+  _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size)
   optimizer_name = _ALIASES[state_format]
 
   def quantized(param) -> bool:
@@ -192,7 +183,6 @@ def scale_by_lowbit_adam(
             eps=eps,
             state_format=state_format,
             block_size=block_size,
-            implementation=implementation,
         )
         return direction, *moments
       mu, nu = fused_step.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
@@ -228,7 +218,6 @@ def _alias(state_format: str, default_block_size: int):
       *,
       block_size: int = default_block_size,
       min_quantized_size: int = 4096,
-      implementation: dispatch.Implementation = None,
   ) -> optax.GradientTransformation:
     hyperparameters.check_learning_rate(learning_rate)
     hyperparameters.check_non_negative("weight_decay", weight_decay)
@@ -240,7 +229,6 @@ def _alias(state_format: str, default_block_size: int):
             state_format=state_format,
             block_size=block_size,
             min_quantized_size=min_quantized_size,
-            implementation=implementation,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
@@ -266,7 +254,6 @@ _ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})`
     mask: which params get weight decay, as in ``optax.adamw``.
     block_size: elements per scale ({block}, the reference's).
     min_quantized_size: tensors with fewer elements keep float32 moments.
-    implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"interpret"``.
 
   Returns:
     An ``optax.GradientTransformation``.

@@ -91,7 +91,6 @@ from optax_memopt.ternary_adam_state import (
     is_ternary,
 )
 
-from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import xla_cpu
 from pallas_kernels.blocks import blocks_shape, to_blocks
@@ -187,7 +186,6 @@ def scale_by_ternary_adam(
     min_size: int = 4096,
     packing: str = "base3",
     key: int | jax.Array = 0,
-    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Rescales updates like Adam, with a ternary first moment and factored second.
 
@@ -229,10 +227,6 @@ def scale_by_ternary_adam(
       ``jax.random.bits(step_key, (n,), uint32)`` gives the rounding seeds of
       the ``n`` parameters in ``jax.tree.leaves`` order
       (``pallas_kernels.ternary.counter_hash_bits``).
-    implementation: the fused step's implementation
-      (``pallas_kernels.dispatch``): ``None`` or ``"xla"``; the step has no
-      Pallas kernel (``pallas_kernels.ternary_adam_update``), so
-      ``"pallas"`` and ``"interpret"`` raise when the step is traced.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -266,7 +260,6 @@ def scale_by_ternary_adam(
   _check_hyperparameters(b1, b2, eps, block_size, min_size, packing)
   initial_key = _typed_key(key)
   key_impl = jax.random.key_impl(initial_key)
-  dispatch.check(implementation)  # Validates it eagerly.
 
   def init_fn(params):
     leaves.check_param_dtypes(params, "ternary_adam")
@@ -302,7 +295,7 @@ def scale_by_ternary_adam(
       momentum = ternary.TernaryArray(packed, scales)
       options = dict(
           seed=seed, count=count, b1=b1, b2=b2, eps=eps, block_size=block_size,
-          packing=packing, implementation=implementation,
+          packing=packing,
       )
       if not is_factored(grad, min_size):
         step = ternary_adam_update(grad, momentum, nu, **options)
@@ -350,7 +343,6 @@ def ternary_adam(
     min_size: int = 4096,
     packing: str = "base3",
     key: int | jax.Array = 0,
-    implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Ternary-state AdamW: ``scale_by_ternary_adam``, decoupled weight decay, learning rate.
 
@@ -371,7 +363,6 @@ def ternary_adam(
     min_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
     packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
     key: an int seed or a JAX PRNG key for the stochastic rounding.
-    implementation: ``None`` or ``"xla"`` (the step has no Pallas kernel).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -404,7 +395,6 @@ def ternary_adam(
           min_size=min_size,
           packing=packing,
           key=key,
-          implementation=implementation,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

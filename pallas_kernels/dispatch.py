@@ -33,8 +33,6 @@ FASTER_ON_HOPPER: dict[str, bool] = {
     "quantize": True,
     "microadam_update": False,
     "column_select": True,
-    "ternary_adam_update": False,
-    "lowbit_adamw_update": False,
 }
 
 # Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.

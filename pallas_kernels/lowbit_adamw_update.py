@@ -32,36 +32,22 @@ Layout (:func:`moment_shapes`): the codes of ``m`` and ``v`` have the
 tensor's own shape (uint8, or float8_e4m3fn for ``fp8``), so they shard
 like the tensor. In ``4bit`` one uint8 holds both codes of an element (``m``
 in the low nibble, ``v`` in the high nibble: one byte per element, read and
-written by one load and one store, and no pairing of neighbours, which
-Mosaic GPU cannot do); ``nu`` is then None. The scales are
+written by one load and one store, elementwise in the tensor's shape);
+``nu`` is then None. The scales are
 float32 of shape ``(*shape[:-1], shape[-1] // block_size, 1)`` when the
 blocks tile the last axis (sharded with the tensor's leading axes), else
 ``(ceil(size / block_size), 1)``. A zero state (codes 0, scales 0) decodes
 to exactly zero, as the reference's initial state.
 
-Implementations (``implementation=``):
-
-* ``"xla"``: :func:`lowbit_adamw_update_reference`. In a GPU program the
-  new moments are computed twice (:func:`_codes_zero`): one pass over
-  memory reads ``g`` and the codes for the blocks' absmax and the direction,
-  a second reads them again and writes the codes, and no float32 moment is
-  written between them.
-* ``"pallas"``: one Mosaic GPU kernel (``plgpu.kernel``), one program per
-  block: per row of the block it decodes both moments, updates them, writes
-  the direction and keeps the new moments in shared memory, then, once the
-  block's new absmax is known, encodes them in a second pass over the rows. Gathers from a
-  table do not lower in Mosaic GPU, so the nearest map entry is found by a
-  scan over the map's entries (compare and select per entry), which is
-  compute-heavy for 256-entry maps. ``block_size`` must be a multiple of
-  128 (whole rows); a shorter last block runs in the reference and is
-  joined to the kernel's blocks by XLA. Every product is rounded on its own
-  (:func:`_rounded`) and divisions are true divisions, so the stored
-  moments equal the reference's bit for bit; the direction takes the square
-  root as ``x * rsqrt(x)`` (Mosaic GPU on JAX 0.10 has no ``sqrt``) and
-  agrees to a few float32 ulps.
-* ``"interpret"``: the same kernel in the Mosaic GPU interpreter (CPU).
-* ``None``: ``"xla"`` until the kernel measures faster on a Hopper GPU
-  (``dispatch.FASTER_ON_HOPPER``).
+The step is XLA code (:func:`lowbit_adamw_update` is its reference and its
+fast path), elementwise in the tensor's shape except for the blocks' absmax.
+In a GPU program the new moments are computed twice (:func:`_codes_zero`):
+one pass over memory reads ``g`` and the codes for the blocks' absmax and the
+direction, a second reads them again and writes the new codes over the old
+ones, and no float32 moment is written between them. A Mosaic GPU kernel
+holding a block in shared memory moved more bytes than these two passes
+(it writes the direction out before the parameters' update reads it), so
+there is none.
 
 References:
   Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022
@@ -72,7 +58,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -80,8 +65,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
 from pallas_kernels import map_codes
 from pallas_kernels import static_args
 from pallas_kernels.blocks import blocks_shape, from_blocks, to_blocks
@@ -179,9 +162,7 @@ def _lerp(start: jax.Array, end: jax.Array, weight: Any, zero: jax.Array) -> jax
   near_end = end - _rounded(diff * (1 - weight), zero)
   if isinstance(weight, (float, np.floating)):
     return near_start if weight < 0.5 else near_end
-  # The weight compared per element (a vector predicate), which Mosaic GPU
-  # on JAX 0.12 selects with where it does not broadcast a scalar one.
-  return jnp.where(zero.astype(jnp.float32) + weight < 0.5, near_start, near_end)
+  return jnp.where(weight < 0.5, near_start, near_end)
 
 
 def _one_minus(rate: Any) -> Any:
@@ -255,7 +236,7 @@ def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> 
   return mu_codes, nu_codes
 
 
-def lowbit_adamw_update_reference(
+def _step(
     grad: jax.Array,
     moments: LowbitMoments,
     *,
@@ -266,7 +247,7 @@ def lowbit_adamw_update_reference(
     state_format: str,
     block_size: int,
 ) -> tuple[jax.Array, LowbitMoments]:
-  """The step in plain jnp (see the module docstring); also the ``"xla"`` implementation."""
+  """The step in plain jnp (module docstring), arguments unchecked."""
   state = STATE_FORMATS[state_format]
   shape = grad.shape
   blocks = blocks_shape(shape, block_size)
@@ -311,7 +292,6 @@ def lowbit_adamw_update(
     eps: Any,
     state_format: str,
     block_size: int,
-    implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, LowbitMoments]:
   r"""One step of low-bit AdamW for one tensor: the direction and the new stored moments.
 
@@ -331,16 +311,14 @@ def lowbit_adamw_update(
     eps: added to the denominator.
     state_format: ``"8bit"``, ``"4bit"`` or ``"fp8"``.
     block_size: elements per scale.
-    implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"interpret"``
-      (module docstring).
 
   Returns:
     ``(direction, moments)``: ``u`` in ``grad``'s shape and dtype, and the
     new ``LowbitMoments``.
 
   Raises:
-    ValueError: for an unknown format, a block size, implementation or
-      ``moments`` that does not fit ``grad``.
+    ValueError: for an unknown format or block size, or ``moments`` that
+      does not fit ``grad``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -369,259 +347,4 @@ def lowbit_adamw_update(
           f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
           f" {_describe(actual)}."
       )
-  args = dict(count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)
-
-  def path(resolved: str) -> tuple[jax.Array, LowbitMoments]:
-    if resolved == "xla":
-      return lowbit_adamw_update_reference(grad, moments, **args)
-    return _kernel_step(grad, moments, interpret=resolved == "interpret", **args)
-
-  return dispatch.run("lowbit_adamw_update", implementation, path)
-
-
-# -- the Mosaic GPU kernel ---------------------------------------------------------
-
-# Elements per kernel row: the lanes of one vector load.
-KERNEL_ROW = 128
-_GRID_AXIS = "blocks"
-# Order of the scalars in the kernel's hyper-parameter input.
-_W1, _W2, _BIAS_CORRECTION_1, _ROOT_BIAS_CORRECTION_2, _EPS, _FLOAT8_MAX = range(6)
-
-
-def kernel_unsupported_reason(block_size: int) -> str | None:
-  """Why the kernel cannot run blocks of ``block_size`` elements, or None."""
-  if block_size % KERNEL_ROW:
-    return (
-        f"block_size must be a multiple of {KERNEL_ROW} for implementation='pallas' or"
-        f" 'interpret' (the kernel reads blocks as rows of {KERNEL_ROW}); got {block_size}."
-    )
-  return None
-
-
-def _kernel_decode(codes: jax.Array, scale: jax.Array, code: str, table_ref: Any, zero: jax.Array) -> jax.Array:
-  """``map[codes] * scale`` by a scan over the map (Mosaic GPU has no gather)."""
-  if code == map_codes.FLOAT8_CODE:
-    return _rounded(codes.astype(jnp.float32) * scale, zero)
-  index = codes.astype(jnp.int32)
-
-  def select(j, entry):
-    return jnp.where(index == j, table_ref[j], entry)
-
-  # Carries start from the loaded zeros: a constant vector has another
-  # layout in Mosaic GPU than the loop's results.
-  entry = lax.fori_loop(1, map_codes.CODE_MAPS[code].size, select, zero.astype(jnp.float32) + table_ref[0])
-  return _rounded(entry * scale, zero)
-
-
-def _kernel_encode(values: jax.Array, scale: jax.Array, code: str, table_ref: Any, zero: jax.Array) -> jax.Array:
-  """Codes of ``values / scale``: :func:`map_codes.nearest_map_code_reference` by a scan over the map.
-
-  The last entry ``<= x`` (0 below the first) counts the entries above the
-  first that are ``<= x``; the entry above it is the smallest one ``> x``.
-  """
-  # A true division by the scale also in the interpreter, where XLA would
-  # multiply by the scale's reciprocal: the divisor is an array of its own.
-  ratio = values / _rounded(jnp.broadcast_to(scale, values.shape), zero)
-  if code == map_codes.FLOAT8_CODE:
-    return ratio.astype(jnp.float8_e4m3fn)
-  size = map_codes.CODE_MAPS[code].size
-
-  def compare(j, carry):
-    index, below, above = carry
-    entry = table_ref[j]
-    at_or_below = ratio >= entry
-    return (
-        index + at_or_below.astype(jnp.int32),
-        jnp.where(at_or_below, entry, below),
-        jnp.where(at_or_below, above, jnp.minimum(above, entry)),
-    )
-
-  start = (zero, zero.astype(jnp.float32) + table_ref[0], zero.astype(jnp.float32) + table_ref[size - 1])
-  index, below, above = lax.fori_loop(1, size, compare, start)
-  up = ratio - below >= (above - below) * 0.5
-  return jnp.where(up, jnp.minimum(index + 1, size - 1), index).astype(jnp.uint8)
-
-
-def _kernel_sqrt(x: jax.Array) -> jax.Array:
-  """``sqrt`` as ``x * rsqrt(x)`` (Mosaic GPU on JAX 0.10 has no sqrt), 0 where ``x`` is."""
-  return jnp.where(x != 0, x * lax.rsqrt(x), 0.0)
-
-
-def _step_kernel(*refs: Any, state_format: str, rows: int) -> None:
-  """One program: one block of ``rows`` rows of 128 elements.
-
-  refs: hyper-parameters ``[6]``, zeros ``[128]`` int32, the maps of ``m``
-  and ``v`` (map codes only), grad, m's codes, v's codes (not paired),
-  m's and v's scales ``[blocks, 1]``; then the outputs direction, codes,
-  scales; then two float32 scratch buffers ``[rows, 128]`` for the new
-  moments between the two passes.
-  """
-  state = STATE_FORMATS[state_format]
-  paired = _paired(state_format)
-  uses_maps = state.mu_code != map_codes.FLOAT8_CODE
-  refs = list(refs)
-  hyper_ref, zero_ref = refs.pop(0), refs.pop(0)
-  mu_table_ref, nu_table_ref = (refs.pop(0), refs.pop(0)) if uses_maps else (None, None)
-  grad_ref, mu_ref = refs.pop(0), refs.pop(0)
-  nu_ref = None if paired else refs.pop(0)
-  mu_scale_ref, nu_scale_ref, direction_ref, mu_out_ref = refs[:4]
-  refs = refs[4:]
-  nu_out_ref = None if paired else refs.pop(0)
-  mu_scale_out_ref, nu_scale_out_ref, mu_buffer, nu_buffer = refs
-  b = lax.axis_index(_GRID_AXIS)
-  zero = zero_ref[...]
-  w1, w2 = hyper_ref[_W1], hyper_ref[_W2]
-  bias_correction_1, root_bias_correction_2 = hyper_ref[_BIAS_CORRECTION_1], hyper_ref[_ROOT_BIAS_CORRECTION_2]
-  eps = hyper_ref[_EPS]
-  mu_scale, nu_scale = mu_scale_ref[b, 0], nu_scale_ref[b, 0]
-
-  def update_row(r, absmax):
-    if paired:
-      byte = mu_ref[b, r].astype(jnp.uint32)
-      mu_codes, nu_codes = byte & jnp.uint32(0xF), byte >> jnp.uint32(4)
-    else:
-      mu_codes, nu_codes = mu_ref[b, r], nu_ref[b, r]
-    g = grad_ref[b, r].astype(jnp.float32)
-    mu = _lerp(_kernel_decode(mu_codes, mu_scale, state.mu_code, mu_table_ref, zero), g, w1, zero)
-    nu = _lerp(_kernel_decode(nu_codes, nu_scale, state.nu_code, nu_table_ref, zero), _rounded(g * g, zero), w2, zero)
-    mu_buffer[r] = mu
-    nu_buffer[r] = nu
-    direction = _direction(mu, _kernel_sqrt(nu), bias_correction_1, root_bias_correction_2, eps)
-    direction_ref[b, r] = direction.astype(direction_ref.dtype)
-    return jnp.maximum(absmax[0], jnp.abs(mu)), jnp.maximum(absmax[1], jnp.abs(nu))
-
-  start = zero.astype(jnp.float32)
-  mu_absmax, nu_absmax = lax.fori_loop(0, rows, update_row, (start, start))
-  scales = []
-  for absmax, code, out_ref in ((mu_absmax, state.mu_code, mu_scale_out_ref), (nu_absmax, state.nu_code, nu_scale_out_ref)):
-    scale = jnp.maximum(jnp.max(absmax), map_codes.MAP_ZERO_BLOCK_SCALE)
-    if code == map_codes.FLOAT8_CODE:
-      # 448 read from an input: a division by a constant would be compiled
-      # as a multiplication by its inexact reciprocal.
-      scale = scale / hyper_ref[_FLOAT8_MAX]
-    out_ref[b, 0] = scale
-    scales.append(scale)
-
-  def encode_row(r, carry):
-    mu_codes = _kernel_encode(mu_buffer[r], scales[0], state.mu_code, mu_table_ref, zero)
-    nu_codes = _kernel_encode(nu_buffer[r], scales[1], state.nu_code, nu_table_ref, zero)
-    if paired:
-      byte = mu_codes.astype(jnp.uint32) | (nu_codes.astype(jnp.uint32) << jnp.uint32(4))
-      mu_out_ref[b, r] = byte.astype(jnp.uint8)
-    else:
-      mu_out_ref[b, r] = mu_codes
-      nu_out_ref[b, r] = nu_codes
-    return carry
-
-  lax.fori_loop(0, rows, encode_row, 0)
-
-
-def _kernel_hyperparameters(count: Any, b1: Any, b2: Any, eps: Any) -> jax.Array:
-  bias_correction_1, root_bias_correction_2 = _bias_corrections(count, b1, b2)
-  return jnp.stack(
-      [
-          jnp.asarray(x, jnp.float32)
-          for x in (
-              _one_minus(b1), _one_minus(b2), bias_correction_1, root_bias_correction_2, eps,
-              map_codes.FLOAT8_MAX,
-          )
-      ]
-  )
-
-
-def _kernel_step(
-    grad: jax.Array,
-    moments: LowbitMoments,
-    *,
-    count: Any,
-    b1: Any,
-    b2: Any,
-    eps: Any,
-    state_format: str,
-    block_size: int,
-    interpret: bool,
-) -> tuple[jax.Array, LowbitMoments]:
-  """The kernel over the whole blocks; a shorter last block in the reference."""
-  reason = kernel_unsupported_reason(block_size)
-  if reason is not None:
-    raise ValueError(reason)
-  state = STATE_FORMATS[state_format]
-  paired = _paired(state_format)
-  shape, size = grad.shape, grad.size
-  reference = functools.partial(
-      lowbit_adamw_update_reference,
-      count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size,
-  )
-  n_blocks, tail = divmod(size, block_size)
-  if not n_blocks:  # All of it is the shorter last block.
-    return reference(grad, moments)
-  whole = n_blocks * block_size
-  rows = block_size // KERNEL_ROW
-  flat = lambda x: x.reshape(-1)
-  as_rows = lambda x: flat(x)[:whole].reshape(n_blocks, rows, KERNEL_ROW)
-  as_scales = lambda x: flat(x)[:n_blocks].reshape(n_blocks, 1)
-  code_type = jax.ShapeDtypeStruct((n_blocks, rows, KERNEL_ROW), moments.mu.dtype)
-  scale_type = jax.ShapeDtypeStruct((n_blocks, 1), jnp.float32)
-  out_type = [jax.ShapeDtypeStruct((n_blocks, rows, KERNEL_ROW), grad.dtype), code_type]
-  out_type += ([] if paired else [code_type]) + [scale_type, scale_type]
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(_step_kernel, state_format=state_format, rows=rows),
-      out_type=tuple(out_type),
-      grid=(n_blocks,),
-      grid_names=(_GRID_AXIS,),
-      interpret=interpret,
-      scratch_types=[plgpu.SMEM((rows, KERNEL_ROW), jnp.float32)] * 2,
-  )
-  inputs = [_kernel_hyperparameters(count, b1, b2, eps), _opaque_zero(count) + jnp.zeros((KERNEL_ROW,), jnp.int32)]
-  if state.mu_code != map_codes.FLOAT8_CODE:
-    inputs += [jnp.asarray(map_codes.CODE_MAPS[state.mu_code]), jnp.asarray(map_codes.CODE_MAPS[state.nu_code])]
-  inputs += [as_rows(grad), as_rows(moments.mu)] + ([] if paired else [as_rows(moments.nu)])
-  inputs += [as_scales(moments.mu_scales), as_scales(moments.nu_scales)]
-  outputs = list(kernel(*inputs))
-  direction, mu = outputs.pop(0), outputs.pop(0)
-  nu = None if paired else outputs.pop(0)
-  mu_scales, nu_scales = outputs
-  new = [flat(direction), flat(mu), None if paired else flat(nu), flat(mu_scales), flat(nu_scales)]
-  if tail:
-    tail_direction, tail_moments = reference(
-        flat(grad)[whole:],
-        LowbitMoments(
-            flat(moments.mu)[whole:],
-            None if paired else flat(moments.nu)[whole:],
-            flat(moments.mu_scales)[n_blocks:].reshape(1, 1),
-            flat(moments.nu_scales)[n_blocks:].reshape(1, 1),
-        ),
-    )
-    new = [
-        None if part is None else jnp.concatenate([part, flat(extra)])
-        for part, extra in zip(new, [tail_direction, *tail_moments])
-    ]
-  direction, *fields = new
-  expected = moment_shapes(shape, state_format=state_format, block_size=block_size)
-  return direction.reshape(shape), LowbitMoments(
-      *(None if x is None else x.reshape(e.shape) for x, e in zip(fields, expected))
-  )
-
-
-def lowering_examples() -> list[_backend.LoweringExample]:
-  """The fused step for each format, with a tail block and blocks of two rows."""
-
-  def example(name, shape, grad_dtype, state_format, block_size):
-    grad = jax.ShapeDtypeStruct(shape, grad_dtype)
-    moments = moment_shapes(shape, state_format=state_format, block_size=block_size)
-
-    def fn(grad, moments):
-      return lowbit_adamw_update(
-          grad, moments, count=jnp.int32(3), b1=0.9, b2=0.999, eps=1e-8,
-          state_format=state_format, block_size=block_size, implementation="pallas",
-      )
-
-    return _backend.LoweringExample(name, _backend.MOSAIC_GPU_CALL, fn, (grad, moments))
-
-  return [
-      example("lowbit_adamw_update_8bit_256_tail", (4, 600), jnp.float32, "8bit", 256),
-      example("lowbit_adamw_update_4bit_128", (3, 512), jnp.bfloat16, "4bit", 128),
-      example("lowbit_adamw_update_fp8_256", (2, 1024), jnp.float32, "fp8", 256),
-  ]
+  return _step(grad, moments, count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)

@@ -37,7 +37,7 @@ that computes ``m`` once for the direction (fused by XLA into the
 parameters' update) and for the new codes, written out at 4 bits per element,
 and one that packs those codes. No Pallas kernel: a kernel that wrote the
 direction would add a write and a read of it before the parameters' update,
-more than the whole XLA step saves (``dispatch.FASTER_ON_HOPPER``).
+more than the whole XLA step saves.
 
 Block sizes and packings are those of :mod:`pallas_kernels.ternary`:
 ``block_size`` 32, 64 or a multiple of 128, ``packing`` ``"base3"`` or
@@ -55,7 +55,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import dispatch
 from pallas_kernels import ternary
 from pallas_kernels import xla_cpu
 from pallas_kernels.blocks import from_blocks, to_blocks
@@ -288,7 +287,6 @@ def ternary_adam_update(
     block_size: int,
     packing: str = "base3",
     block_absmax: jax.typing.ArrayLike | None = None,
-    implementation: dispatch.Implementation = None,
 ) -> TernaryAdamStep:
   """One Adam step of a tensor whose first moment is stored as trits.
 
@@ -331,8 +329,6 @@ def ternary_adam_update(
       without their last axis, where the caller has them from
       ``block_statistics`` (one reduction over ``g`` for both); found here
       otherwise.
-    implementation: ``None`` or ``"xla"``; ``"pallas"`` and ``"interpret"``
-      raise, as the step has no kernel (module docstring).
 
   Returns:
     A ``TernaryAdamStep``: the direction ``u`` (the gradient's shape and
@@ -398,15 +394,7 @@ def ternary_adam_update(
   if isinstance(eps, (int, float)) and not eps >= 0:
     raise ValueError(f"eps must be >= 0; got {eps}.")
 
-  def path(resolved):
-    if resolved != "xla":
-      raise ValueError(
-          f"implementation={resolved!r}: ternary_adam_update has no Pallas kernel (the XLA"
-          " step moves fewer bytes than one would); use None or 'xla'."
-      )
-    return _step(
-        grad, stored, scales, second_moment, seed, count, b1, b2, eps, block_absmax,
-        block_size=block_size, layout=layout, update_nu=nu is not None,
-    )
-
-  return dispatch.run("ternary_adam_update", implementation, path)
+  return _step(
+      grad, stored, scales, second_moment, seed, count, b1, b2, eps, block_absmax,
+      block_size=block_size, layout=layout, update_nu=nu is not None,
+  )

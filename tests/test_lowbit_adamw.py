@@ -290,7 +290,6 @@ def test_a_block_of_zero_gradients_gets_the_smallest_scale():
         (dict(min_quantized_size=-1), "min_quantized_size"),
         (dict(b1=1.0), "b1"),
         (dict(eps=-1.0), "eps"),
-        (dict(implementation="cuda"), "implementation"),
         (dict(weight_decay=-0.1), "weight_decay"),
     ],
 )

@@ -19,9 +19,6 @@ OPS = {
     "microadam": ("block_topk", "quantize", "microadam_update"),
     "taco": ("column_select",),
     "taco_one_segment": ("column_select",),
-    "adamw_8bit": ("lowbit_adamw_update",),
-    "adamw_4bit": ("lowbit_adamw_update",),
-    "adamw_fp8": ("lowbit_adamw_update",),
 }
 # TACO with one segment per row selects by a plain top-k: nothing to aid.
 WITHOUT_CPU_AIDS = {"taco_one_segment"}

@@ -336,7 +336,6 @@ def test_update_traces_under_a_mesh_of_explicit_axes():
         (dict(packing="base4"), "packing"),
         (dict(key="seed"), "key"),
         (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
-        (dict(implementation="cuda"), "implementation"),
     ],
 )
 def test_bad_hyperparameters_raise_when_built(kwargs, name):

@@ -86,22 +86,19 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         has_kernels=True,
     ),
     "adamw_8bit": OptimizerSpec(
-        _with_kernels(optax_memopt.adamw_8bit),
+        lambda lr, config: optax_memopt.adamw_8bit(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
-        has_kernels=True,
     ),
     "adamw_4bit": OptimizerSpec(
-        _with_kernels(optax_memopt.adamw_4bit),
+        lambda lr, config: optax_memopt.adamw_4bit(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
-        has_kernels=True,
     ),
     "adamw_fp8": OptimizerSpec(
-        _with_kernels(optax_memopt.adamw_fp8),
+        lambda lr, config: optax_memopt.adamw_fp8(lr, weight_decay=WEIGHT_DECAY),
         3e-3,
         "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
-        has_kernels=True,
     ),
 }
 
