@@ -31,3 +31,36 @@ def test_the_readmes_bytes_moved_column_quotes_the_results():
     quoted[name] = cells[column]
   assert quoted == {name: f"{rows[name]['default']['moved'] / adamw:.2f}x" for name in quoted}
   assert len(quoted) >= 8
+
+
+def choosing_table() -> tuple[list[str], dict[str, list[str]]]:
+  """README's "Choosing an optimizer" table: its header, and each row's cells by optimizer name."""
+  readme = (ROOT / "README.md").read_text()
+  table = readme.split("## Choosing an optimizer")[1].split("\n\n")[1].splitlines()
+  header = [cell.strip() for cell in table[0].strip("|").split("|")]
+  rows = {}
+  for line in table[2:]:
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    rows[re.match(r"`(?:optax\.)?(\w+)`", cells[0]).group(1)] = cells
+  return header, rows
+
+
+def test_the_readmes_state_bytes_column_is_what_the_states_hold():
+  """"Choosing an optimizer": each row's state bytes per parameter, as benchmarks.memory computes them."""
+  from benchmarks import memory
+
+  header, rows = choosing_table()
+  column = header.index("state bytes/param (Llama-2-7B)")
+  computed = {}
+  for name in rows:
+    nbytes, n_params = memory.state_bytes(name, "llama2_7b")
+    computed[name] = f"{nbytes / n_params:.2f}"
+  assert {name: cells[column] for name, cells in rows.items()} == computed
+
+
+def test_the_readme_quotes_no_step_time_outside_its_table():
+  """Step times live in benchmarks/README.md: the README's prose names none (they drift between runs)."""
+  readme = (ROOT / "README.md").read_text()
+  prose = re.sub(r"```.*?```", "", readme, flags=re.S).replace(
+      readme.split("## Choosing an optimizer")[1].split("\n\n")[1], "")
+  assert not re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:ms|x\b|minutes|seconds)", prose)

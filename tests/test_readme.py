@@ -1,4 +1,4 @@
-"""The README's examples run as written, and CI runs the README's test command."""
+"""The examples of the README and of docs/ run as written, and CI runs the README's test command."""
 
 from __future__ import annotations
 
@@ -14,27 +14,41 @@ from tests import host_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = [(match.start(), match.group(1)) for match in re.finditer(r"```python\n(.*?)```", README, flags=re.S)]
+DOCUMENTS = ["README.md", *sorted(str(path.relative_to(ROOT)) for path in (ROOT / "docs").glob("*.md"))]
 
 
-def section(position: int) -> str:
-  """The title of the README section that holds ``position``."""
-  headings = re.findall(r"^#+ (.+)$", README[:position], flags=re.M)
+def python_blocks(text: str) -> list[tuple[int, str]]:
+  """(position, code) of each ```python block of a markdown text."""
+  return [(match.start(), match.group(1)) for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S)]
+
+
+def section(text: str, position: int) -> str:
+  """The title of the section of ``text`` that holds ``position``."""
+  headings = re.findall(r"^#+ (.+)$", text[:position], flags=re.M)
   return headings[-1] if headings else "top"
 
 
-def block_ids() -> list[str]:
-  seen: dict[str, int] = {}
-  ids = []
-  for position, _ in BLOCKS:
-    title = re.sub(r"\W+", "_", section(position)).strip("_").lower()
-    seen[title] = seen.get(title, 0) + 1
-    ids.append(f"{title}_{seen[title]}")
-  return ids
+def examples() -> list[tuple[str, str, str]]:
+  """(document, id, code) of every example: the id names the document and the section."""
+  found = []
+  for document in DOCUMENTS:
+    text = (ROOT / document).read_text()
+    seen: dict[str, int] = {}
+    for position, code in python_blocks(text):
+      title = re.sub(r"\W+", "_", section(text, position)).strip("_").lower()
+      seen[title] = seen.get(title, 0) + 1
+      found.append((document, f"{document}:{title}_{seen[title]}", code))
+  return found
 
 
-def test_readme_has_its_examples():
-  assert len(BLOCKS) >= 9, [section(position) for position, _ in BLOCKS]
+EXAMPLES = examples()
+
+
+def test_the_documents_have_their_examples():
+  counts = {document: sum(1 for d, _, _ in EXAMPLES if d == document) for document in DOCUMENTS}
+  assert counts["README.md"] >= 3, counts
+  for page in ("docs/sharding.md", "docs/checkpoints.md", "docs/memory-planning.md"):
+    assert counts[page] >= 1, counts
 
 
 def _cuda_plugin_missing() -> bool:
@@ -47,8 +61,8 @@ def _cuda_plugin_missing() -> bool:
   return False
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=block_ids())
-def test_python_example_runs_on_its_own(index, tmp_path):
+@pytest.mark.parametrize("code", [code for _, _, code in EXAMPLES], ids=[name for _, name, _ in EXAMPLES])
+def test_python_example_runs_on_its_own(code, tmp_path):
   """Each block, pasted alone into a fresh interpreter, runs.
 
   Eight CPU devices, as the sharding example asks of readers without
@@ -56,10 +70,10 @@ def test_python_example_runs_on_its_own(index, tmp_path):
   that compiles for an H100 needs the gpu-compile extra, and runs in CI's
   lane that installs it.
   """
-  if "gpu_compile" in BLOCKS[index][1] and _cuda_plugin_missing():
+  if "gpu_compile" in code and _cuda_plugin_missing():
     pytest.skip("needs JAX's CUDA plugin (the gpu-compile extra)")
   path = tmp_path / "example.py"
-  path.write_text(BLOCKS[index][1])
+  path.write_text(code)
   done = subprocess.run(
       [sys.executable, str(path)],
       cwd=tmp_path,
@@ -71,6 +85,12 @@ def test_python_example_runs_on_its_own(index, tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def test_the_h100_example_is_selected_by_cis_filter():
+  """CI's gpu-compile lane runs `pytest tests/test_readme.py -k h100`: the H100 example's id must match it."""
+  assert [name for _, name, code in EXAMPLES if "gpu_compile" in code and "h100" in name.lower()]
+  assert "python -m pytest tests/test_readme.py -k h100" in (ROOT / ".ci" / "run").read_text()
+
+
 def test_ci_runs_the_readme_test_command():
   commands = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
   test_command = next(c for c in commands if "pytest" in c).strip()
@@ -80,9 +100,17 @@ def test_ci_runs_the_readme_test_command():
   assert re.search(rf"^{re.escape(run)}$", ci, flags=re.M)
 
 
+def test_the_documents_link_to_pages_that_exist():
+  for document in DOCUMENTS:
+    text = (ROOT / document).read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+      if not target.startswith("http"):
+        assert (ROOT / document).parent.joinpath(target).exists(), f"{document} links to {target}"
+
+
 def test_fit_example_prints_what_its_comment_says(tmp_path):
   """The planner's example names the optimizers that fit and those that do not, as its table does."""
-  (code,) = [code for _, code in BLOCKS if "fit.report(" in code]
+  (code,) = [code for _, _, code in EXAMPLES if "fit.report(" in code]
   fits = re.search(r"^# fits: (.+)$", code, flags=re.M).group(1).split(", ")
   misses = re.search(r"^# \(not (.+?):", code, flags=re.M).group(1).split(", ")
   done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
