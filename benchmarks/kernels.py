@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import microadam_update, quantize, topk
+from pallas_kernels import quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
@@ -75,29 +75,7 @@ def _cases() -> list[KernelCase]:
             lambda n, bits=bits: 8 * n + n * bits // 8,
         ),
     ]
-  window = 10
-  cases.append(
-      KernelCase(
-          f"microadam_update window {window}",
-          lambda key, n: _ring(key, n, window),
-          lambda indices, values, implementation: microadam_update.microadam_update(
-              indices, values, window + 3, 0.9, 0.999, 1e-8, size=indices.shape[1] // k * TOPK_BLOCK, density=TOPK_DENSITY,
-              block_size=TOPK_BLOCK, implementation=implementation),
-          # Reads the ring; writes the dense update.
-          lambda n: window * (n // TOPK_BLOCK) * k * 4 + 4 * n,
-      )
-  )
   return cases
-
-
-def _ring(key, n: int, window: int) -> tuple[jax.Array, jax.Array]:
-  """A full ring of block-local top-k entries over whole blocks, as MicroAdam stores them."""
-  k = int(np.ceil(TOPK_BLOCK * TOPK_DENSITY))
-  entries = n // TOPK_BLOCK * k
-  index_key, value_key = jax.random.split(key)
-  indices = jax.random.randint(index_key, (window, entries), 0, TOPK_BLOCK, jnp.int32).astype(jnp.int16)
-  values = _normal(value_key, window * entries, jnp.bfloat16).reshape(window, entries)
-  return indices, values
 
 
 def _time(fn, inputs, repeats: int) -> float:

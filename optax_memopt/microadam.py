@@ -23,12 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-
-from pallas_kernels import dispatch
-from pallas_kernels import microadam_update as window_update
-from pallas_kernels import quantize
-from pallas_kernels import static_args
-from pallas_kernels import topk
+from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk
 
 ERROR_BITS = 4
 
@@ -75,11 +70,11 @@ def _check_hyperparameters(
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
   quantize.num_buckets(0, bucket_size)
   dispatch.check(implementation)
-  if implementation in ("pallas", "interpret"):
-    # The window update kernel's limits include the top-k kernel's (whole rows of 256).
-    reason = window_update.kernel_unsupported_reason(block_size)
-    if reason is not None:
-      raise ValueError(reason)
+  if implementation in ("pallas", "interpret") and block_size % topk.KERNEL_ROW:
+    raise ValueError(
+        f"block_size must be a multiple of {topk.KERNEL_ROW} for the Pallas top-k kernel (a block is"
+        f" whole rows of {topk.KERNEL_ROW}); got {block_size}. Use implementation='xla' for other block sizes."
+    )
   return window, density, block_size, bucket_size
 
 
@@ -140,10 +135,8 @@ def scale_by_microadam(
 
   * ``window = 10``, ``density = 0.01``: the paper's.
   * ``block_size = 16384``: whole rows of 256 (64 rows), as the Pallas
-    kernels read blocks; int16 block-local indices (``<= 32768``); the fused
-    window update holds fp32 ``M`` and ``S`` of one block in shared memory,
-    128 KB of the 227 KB of an H100/H200 SM (the limit is ``28672``); and a
-    power of two divides the shard sizes of sharded tensors, so no block
+    top-k kernel reads blocks; int16 block-local indices (``<= 32768``); and
+    a power of two divides the shard sizes of sharded tensors, so no block
     straddles two shards.
   * ``bucket_size = 1024``: 4 rows of 256, so the quantizer's kernels run one
     program per bucket and 16 buckets tile a top-k block. The statistics
@@ -158,7 +151,7 @@ def scale_by_microadam(
     window: number of sparse gradients kept (``m``), ``>= 1``.
     density: fraction of each block kept by top-k, in ``(0, 1]``.
     block_size: elements per top-k block, in ``[1, 32768]``; the Pallas
-      kernels need a multiple of 256 of at most 28672.
+      top-k kernel needs a multiple of 256.
     bucket_size: elements per min/max statistic of the error feedback: a
       positive multiple of 256, or 32, 64 or 128.
     implementation: ``None`` (each op's default for the device,
@@ -253,17 +246,8 @@ def scale_by_microadam(
           implementation=implementation,
       )
       # M and S from the window, and the direction c1 M / (sqrt(c2 S) + eps).
-      direction = window_update.microadam_update(
-          indices,
-          values,
-          count,
-          b1,
-          b2,
-          eps,
-          size=gradient.size,
-          density=density,
-          block_size=block_size,
-          implementation=implementation,
+      direction = microadam_update.microadam_update(
+          indices, values, count, b1, b2, eps, size=gradient.size, density=density, block_size=block_size
       )
       direction = direction.reshape(gradient.shape).astype(gradient.dtype)
       return (direction, indices, values, *error)

@@ -20,28 +20,16 @@ written. This op computes, densely over the ``d`` elements of the tensor,
 
 with ``u = 0`` where no row has an entry (``S = 0``).
 
-``microadam_update_reference`` is this formula in plain jnp, row by row. The
-implementations of ``microadam_update`` (``implementation=``) fold ``c_1`` and
-``c_2`` into per-row weights (``window_weights``):
-
-* ``"xla"``: no dense ``M`` or ``S``. Each block's ``window * k`` entries are
-  sorted by index (a row holds an index at most once, so an index's entries
-  are at most ``window`` adjacent ones), summed per index, and the finished
-  direction is scattered into a dense zero update, once per index.
-* ``"pallas"``: a Mosaic GPU kernel, one program per top-k block (as the
-  reference CUDA kernel ``compute_microadam_update``): fp32 ``M`` and ``S``
-  for the block live in shared memory (8 bytes per element, so a block of at
-  most ``MAX_KERNEL_BLOCK_SIZE`` fits the 227 KB of an H100/H200 SM); the
-  ring rows are scattered into them one entry at a time by scalar index
-  (Mosaic GPU has no gather/scatter by index array; Pallas puts barriers
-  around the shared-memory stores, which makes the scalar read-modify-write
-  safe for the warpgroup), then the block is written densely as rows of 256.
-  Block sizes must be whole rows of 256.
-* ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: the default of ``dispatch.FASTER_ON_HOPPER["microadam_update"]``:
-  XLA, as the kernel's serial scatter (two read-modify-writes and two
-  barriers per entry) made MicroAdam's step 4.6 times slower on an H200
-  (``benchmarks/README.md``).
+``microadam_update_reference`` is this formula in plain jnp, row by row.
+``microadam_update`` computes it without a dense ``M`` or ``S``, on every
+platform: each block's ``window * k`` entries are sorted by index (a row
+holds an index at most once, so an index's entries are at most ``window``
+adjacent ones), summed per index with per-row weights folded with ``c_1``
+and ``c_2`` (``window_weights``), and the finished direction is scattered
+into a dense zero update, once per index. (A Mosaic GPU kernel holding a
+block's ``M`` and ``S`` in shared memory, as the reference CUDA kernel
+``compute_microadam_update`` does, scattered entry by entry and made the
+step 4.6 times slower on an H200; it was removed.)
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -56,19 +44,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
-from pallas_kernels import static_args
-from pallas_kernels import topk
-
-KERNEL_ROW = 256
-# fp32 M and S of one block (8 bytes/element) in the 227 KB of shared memory
-# of an H100/H200 SM, less the 2 KB Mosaic GPU reserves for reductions, in
-# whole rows of 256: 112 rows.
-MAX_KERNEL_BLOCK_SIZE = 28672
+from pallas_kernels import static_args, topk
 
 
 def window_weights(
@@ -116,15 +93,12 @@ def window_weights(
 
 
 def _update_from_moments(first: jax.Array, second: jax.Array, eps: jax.Array) -> jax.Array:
-  """``M / (sqrt(S) + eps)``, 0 where ``S = 0``; shared by the kernel and XLA.
+  """``M / (sqrt(S) + eps)``, 0 where ``S = 0``.
 
-  ``sqrt(S)`` is written ``S * rsqrt(max(S, tiny))``: Mosaic GPU on JAX 0.10.2
-  lowers ``rsqrt`` but not ``sqrt``, and the ``max`` keeps ``rsqrt`` finite
-  at ``S = 0``. ``S = 0`` means no ring row has the entry, so ``M = 0`` too:
-  the ``where`` gives it 0 even with ``eps = 0`` while letting NaNs through.
+  ``S = 0`` means no ring row has the entry, so ``M = 0`` too: the ``where``
+  gives it 0 even with ``eps = 0`` while letting NaNs through.
   """
-  root = second * lax.rsqrt(jnp.maximum(second, jnp.finfo(jnp.float32).tiny))
-  return jnp.where(second == 0, 0.0, first / (root + eps))
+  return jnp.where(second == 0, 0.0, first / (jnp.sqrt(second) + eps))
 
 
 def flat_positions(indices: jax.Array, *, k: int, block_size: int) -> jax.Array:
@@ -259,133 +233,18 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   )
 
 
-def _row(row) -> pl.Slice:
-  return pl.ds(row * KERNEL_ROW, KERNEL_ROW)
-
-
-def _window_update_kernel(
-    indices_ref,
-    values_ref,
-    weights_ref,
-    eps_ref,
-    update_ref,
-    first_ref,
-    second_ref,
-    *,
-    window: int,
-    k: int,
-    full_blocks: int,
-    tail_k: int,
-    rows: int,
-):
-  """One top-k block: scatter the ring into shared ``M``, ``S``; write ``u`` as rows."""
-  block = lax.axis_index("blocks")
-  first_entry = block * k
-
-  def clear(row, carry):
-    first_ref[_row(row)] = jnp.zeros((KERNEL_ROW,), jnp.float32)
-    second_ref[_row(row)] = jnp.zeros((KERNEL_ROW,), jnp.float32)
-    return carry
-
-  lax.fori_loop(0, rows, clear, None)
-
-  def scatter_ring_row(ring_row, carry):
-    first_weight = weights_ref[0, ring_row]
-    second_weight = weights_ref[1, ring_row]
-
-    def scatter_entry(entry):
-      position = indices_ref[ring_row, first_entry + entry].astype(jnp.int32)
-      value = values_ref[ring_row, first_entry + entry].astype(jnp.float32)
-      first_ref[position] = first_ref[position] + first_weight * value
-      second_ref[position] = second_ref[position] + second_weight * (value * value)
-
-    def scatter(entry, carry):
-      if tail_k in (0, k):  # Every block holds k entries.
-        scatter_entry(entry)
-      else:
-        entries = jnp.where(block < full_blocks, k, tail_k)
-        pl.when(entry < entries)(lambda: scatter_entry(entry))
-      return carry
-
-    return lax.fori_loop(0, k, scatter, carry)
-
-  lax.fori_loop(0, window, scatter_ring_row, None)
-  eps = eps_ref[0]
-
-  def write(row, carry):
-    update_ref[block, row] = _update_from_moments(
-        first_ref[_row(row)], second_ref[_row(row)], eps
-    )
-    return carry
-
-  lax.fori_loop(0, rows, write, None)
-
-
-def _update_pallas(indices, values, weights, eps, *, size, block_size, k, interpret):
-  window, n_entries = indices.shape
-  full_blocks, tail = divmod(size, block_size)
-  n_blocks = full_blocks + bool(tail)
-  # A tensor smaller than one block is one block of whole rows, not of
-  # block_size: its scratch and output shrink to fit.
-  kernel_block = min(block_size, -(-size // KERNEL_ROW) * KERNEL_ROW)
-  rows = kernel_block // KERNEL_ROW
-  kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(
-          _window_update_kernel,
-          window=window,
-          k=k,
-          full_blocks=full_blocks,
-          tail_k=n_entries - full_blocks * k,
-          rows=rows,
-      ),
-      out_type=jax.ShapeDtypeStruct((n_blocks, rows, KERNEL_ROW), jnp.float32),
-      grid=(n_blocks,),
-      grid_names=("blocks",),
-      interpret=interpret,
-      scratch_types=(
-          plgpu.SMEM((kernel_block,), jnp.float32),
-          plgpu.SMEM((kernel_block,), jnp.float32),
-      ),
-  )
-  update = kernel(indices, values, weights, eps.reshape(1))
-  return update.reshape(-1)[:size]
-
-
-@functools.partial(
-    jax.jit, static_argnames=("size", "density", "block_size", "implementation")
-)
-def _microadam_update(
-    indices, values, count, b1, b2, eps, *, size, density, block_size, implementation
-):
-  k = topk.entries_kept(block_size, density)
+@functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
+def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size):
   weights = window_weights(count, b1, b2, window=indices.shape[0])
-  eps = jnp.asarray(eps, jnp.float32)
-  if implementation == "xla":
-    return _update_xla(
-        indices, values, weights, eps, size=size, block_size=block_size, k=k
-    )
-  return _update_pallas(
+  return _update_xla(
       indices,
       values,
       weights,
-      eps,
+      jnp.asarray(eps, jnp.float32),
       size=size,
       block_size=block_size,
-      k=k,
-      interpret=implementation == "interpret",
+      k=topk.entries_kept(block_size, density),
   )
-
-
-def kernel_unsupported_reason(block_size: int) -> str | None:
-  """Why the Pallas kernel cannot take ``block_size``, or ``None`` if it can."""
-  if block_size % KERNEL_ROW or block_size > MAX_KERNEL_BLOCK_SIZE:
-    return (
-        f"block_size must be a multiple of {KERNEL_ROW} and at most"
-        f" {MAX_KERNEL_BLOCK_SIZE} for the Pallas kernel (whole rows of"
-        f" {KERNEL_ROW}; fp32 M and S of a block in shared memory); got"
-        f" {block_size}. Use implementation='xla' for other block sizes."
-    )
-  return None
 
 
 def microadam_update(
@@ -399,7 +258,6 @@ def microadam_update(
     size: int,
     density: float,
     block_size: int,
-    implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
 
@@ -424,18 +282,14 @@ def microadam_update(
     size: number of elements ``d`` of the (flattened) tensor.
     density: the top-k's fraction kept per block; ``K =
       topk.selection_size(size, density=density, block_size=block_size)``.
-    block_size: elements per top-k block; the Pallas kernel needs a multiple
-      of 256 of at most ``MAX_KERNEL_BLOCK_SIZE``.
-    implementation: ``None`` (the op's default, ``dispatch``), ``"xla"``,
-      ``"pallas"`` or ``"interpret"``.
+    block_size: elements per top-k block.
 
   Returns:
     The float32 update, flat, of shape ``(size,)``.
 
   Raises:
     ValueError: for shapes that do not match ``size``, ``density`` and
-      ``block_size``, an unknown ``implementation``, or a Pallas
-      implementation asked for a block size it does not support.
+      ``block_size``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -464,51 +318,6 @@ def microadam_update(
     )
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  return dispatch.run(
-      "microadam_update",
-      implementation,
-      lambda resolved: _microadam_update(
-          indices,
-          values,
-          count,
-          b1,
-          b2,
-          eps,
-          size=size,
-          density=density,
-          block_size=block_size,
-          implementation=resolved,
-      ),
-      unsupported=kernel_unsupported_reason(block_size),
+  return _microadam_update(
+      indices, values, count, b1, b2, eps, size=size, density=density, block_size=block_size
   )
-
-
-def lowering_examples() -> list[_backend.LoweringExample]:
-  """The kernel at MicroAdam's default block, at the largest, and on a small tensor."""
-  examples = []
-  for size, block_size, window in (
-      (4 * 16384 + 1000, 16384, 10),  # four full blocks and a tail block
-      (2 * MAX_KERNEL_BLOCK_SIZE, MAX_KERNEL_BLOCK_SIZE, 10),
-      (300, 16384, 3),  # smaller than one block
-  ):
-    n_entries = topk.selection_size(size, density=0.01, block_size=block_size)
-    fn = functools.partial(
-        microadam_update, size=size, density=0.01, block_size=block_size, implementation="pallas"
-    )
-    ring = jax.ShapeDtypeStruct((window, n_entries), jnp.int16)
-    examples.append(
-        _backend.LoweringExample(
-            name=f"microadam_update_{size}_{block_size}_w{window}",
-            backend=_backend.MOSAIC_GPU_CALL,
-            fn=fn,
-            args=(
-                ring,
-                jax.ShapeDtypeStruct((window, n_entries), jnp.bfloat16),
-                jax.ShapeDtypeStruct((), jnp.int32),
-                jax.ShapeDtypeStruct((), jnp.float32),
-                jax.ShapeDtypeStruct((), jnp.float32),
-                jax.ShapeDtypeStruct((), jnp.float32),
-            ),
-        )
-    )
-  return examples

@@ -282,10 +282,34 @@ def _quantize_xla(x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.
   )
 
 
+def _unpack_xla(packed: jax.Array, size: int, bits: int) -> jax.Array:
+  """``packing.unpack`` written as one broadcast over the planes of each row.
+
+  Code ``p * 128 + j`` of a row is digit ``p`` of byte ``j``: a division and
+  a remainder by powers of ``2**bits``, elementwise on a ``[rows, planes,
+  128]`` view. Without the planes' concatenation XLA fuses the decoding into
+  every reader of the decoded values instead of writing them out.
+  """
+  base, planes = 2**bits, 8 // bits
+  if planes == 1:  # One code per byte, in order.
+    return packed
+  width = packing.PLANE_WIDTH
+  full_rows, tail = divmod(size, planes * width)
+  place = (base ** np.arange(planes)).astype(np.uint8)[:, None]
+  body = packed[: full_rows * width].reshape(full_rows, 1, width)
+  codes = (body // place % np.uint8(base)).reshape(-1)
+  if not tail:
+    return codes
+  # The last, short row has planes of ceil(tail / planes) codes.
+  last = packed[full_rows * width :]
+  last = (last[None, :] // place % np.uint8(base)).reshape(-1)[:tail]
+  return jnp.concatenate([codes, last])
+
+
 @functools.partial(jax.jit, static_argnames=("size", "bits", "bucket_size"))
 def _decode_xla(q: QuantizedArray, *, size: int, bits: int, bucket_size: int) -> jax.Array:
   n_buckets = q.minimum.shape[0]
-  codes = packing.unpack(q.codes, size, **_packing_args(bits))
+  codes = _unpack_xla(q.codes, size, bits)
   codes = jnp.pad(codes, (0, n_buckets * bucket_size - size)).reshape(n_buckets, bucket_size)
   minimum = q.minimum.astype(jnp.float32)[:, None]
   step = _step(minimum, q.maximum.astype(jnp.float32)[:, None], bits)
@@ -687,7 +711,7 @@ def _dequantize_flat(
         interpret=resolved == "interpret",
     )
 
-  return dispatch.run("quantize", implementation, path)
+  return dispatch.run("dequantize", implementation, path)
 
 
 def dequantize(

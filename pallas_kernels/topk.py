@@ -271,29 +271,35 @@ def _candidate_group(width: int, k: int) -> int:
   return group if 2 * cost <= width else 1
 
 
-def _select_xla(blocks: jax.Array, k: int) -> jax.Array:
-  """Two stages, exact: the top k entries lie in the k groups of largest maxima.
+def _select_xla(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The ascending indices of each block's selection and their values, in two exact stages.
 
-  Ranking groups by (maximum key, lower group first), each of the k entries
-  selected from a group outside the top k groups would be outranked by the
-  maxima of those k groups (at least as large, and lower indexed when
-  equal), which is k entries: so the selection lies in the top k groups.
-  Their members, gathered in index order, keep lax.top_k's tie rule (the
-  lower position first) equal to the lower index first.
+  The top k entries lie in the k groups of largest maxima: ranking groups
+  by (maximum key, lower group first), each of the k entries selected from
+  a group outside the top k groups would be outranked by the maxima of
+  those k groups (at least as large, and lower indexed when equal), which is
+  k entries. Their members, gathered in index order, keep lax.top_k's tie
+  rule (the lower position first) equal to the lower index first. The
+  values are taken from the gathered members, so the block is read whole
+  only once, for the group maxima.
   """
-  keys = magnitude_key(blocks)
-  n_blocks, width = keys.shape
+  n_blocks, width = blocks.shape
   group = _candidate_group(width, k)
   if group == 1:
-    _, indices = lax.top_k(_as_float_key(keys), k)
-    return jnp.sort(indices, axis=1)
-  grouped = keys.reshape(n_blocks, width // group, group)
-  _, top_groups = lax.top_k(_as_float_key(grouped.max(axis=2)), k)
+    _, indices = lax.top_k(_as_float_key(magnitude_key(blocks)), k)
+    indices = jnp.sort(indices, axis=1)
+    return indices, jnp.take_along_axis(blocks, indices, axis=1)
+  grouped = blocks.reshape(n_blocks, width // group, group)
+  _, top_groups = lax.top_k(_as_float_key(magnitude_key(grouped).max(axis=2)), k)
   top_groups = jnp.sort(top_groups, axis=1)
-  candidates = jnp.take_along_axis(grouped, top_groups[:, :, None], axis=1)
-  _, chosen = lax.top_k(_as_float_key(candidates.reshape(n_blocks, k * group)), k)
+  candidates = jnp.take_along_axis(grouped, top_groups[:, :, None], axis=1).reshape(n_blocks, k * group)
+  # Gathered once: XLA would otherwise gather from the block again for the values.
+  candidates = lax.optimization_barrier(candidates)
+  _, chosen = lax.top_k(_as_float_key(magnitude_key(candidates)), k)
+  # Candidates are in index order, so sorting positions among them sorts the indices.
+  chosen = jnp.sort(chosen, axis=1)
   indices = jnp.take_along_axis(top_groups, chosen // group, axis=1) * group + chosen % group
-  return jnp.sort(indices, axis=1)
+  return indices, jnp.take_along_axis(candidates, chosen, axis=1)
 
 
 def _select_pallas(blocks: jax.Array, k: int, *, interpret: bool) -> jax.Array:
@@ -313,11 +319,12 @@ def _block_topk(
   indices, values = [], []
   for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
     if implementation == "xla":
-      selected = _select_xla(blocks, keep)
+      selected, kept = _select_xla(blocks, keep)
     else:
       selected = _select_pallas(blocks, keep, interpret=implementation == "interpret")
+      kept = jnp.take_along_axis(blocks, selected, axis=1)
     indices.append(selected.astype(index_dtype).reshape(-1))
-    values.append(jnp.take_along_axis(blocks, selected, axis=1).reshape(-1))
+    values.append(kept.reshape(-1))
   if not indices:
     return jnp.zeros((0,), index_dtype), jnp.zeros((0,), x.dtype)
   return jnp.concatenate(indices), jnp.concatenate(values)

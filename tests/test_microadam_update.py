@@ -1,24 +1,17 @@
 """MicroAdam's window update: the plain-jnp reference against the formulas in
-numpy, the tuned XLA path and the Mosaic GPU kernel (interpreter) against the
-reference, and the automatic choice of implementation on a (faked) Hopper GPU."""
+numpy, and the sorted, per-index XLA path against the reference."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import chex
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
-from pallas_kernels import microadam_update as mu
-
-pytestmark = pytest.mark.kernels
+from pallas_kernels import microadam_update
 
 
 def documented_keep(length: int, density: float) -> int:
@@ -87,7 +80,7 @@ def case_inputs(seed, size, block_size, density, window):
 @pytest.mark.parametrize("size, block_size, density, window, count", CASES)
 def test_reference_matches_the_spec_formulas(size, block_size, density, window, count, seed):
   indices, values, lengths, keeps = case_inputs(seed, size, block_size, density, window)
-  got = mu.microadam_update_reference(
+  got = microadam_update.microadam_update_reference(
       jnp.asarray(indices), jnp.asarray(values), count, B1, B2, EPS,
       size=size, density=density, block_size=block_size,
   )
@@ -98,35 +91,21 @@ def test_reference_matches_the_spec_formulas(size, block_size, density, window, 
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6, err_msg=f"seed={seed}")
 
 
-@pytest.mark.parametrize(
-    "implementation", ["xla", pytest.param("interpret", id="kernel_in_interpreter")]
-)
 @pytest.mark.parametrize("size, block_size, density, window, count", CASES)
-def test_implementation_matches_reference(size, block_size, density, window, count, implementation, seed):
+def test_update_matches_reference(size, block_size, density, window, count, seed):
   indices, values, _, _ = case_inputs(seed, size, block_size, density, window)
   args = (jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
   kwargs = dict(size=size, density=density, block_size=block_size)
-  want = mu.microadam_update_reference(*args, **kwargs)
-  got = mu.microadam_update(*args, **kwargs, implementation=implementation)
+  want = microadam_update.microadam_update_reference(*args, **kwargs)
+  got = microadam_update.microadam_update(*args, **kwargs)
   chex.assert_trees_all_close(got, want, rtol=2e-6, atol=1e-7, custom_message=f"seed={seed}")
   assert got.shape == (size,) and got.dtype == jnp.float32
-
-
-@pytest.mark.parametrize("size, block_size, density, window, count", CASES)
-def test_every_kernel_case_reaches_the_kernel(size, block_size, density, window, count):
-  indices, values, _, _ = case_inputs(0, size, block_size, density, window)
-  fn = functools.partial(
-      mu.microadam_update, size=size, density=density, block_size=block_size,
-      implementation="pallas",
-  )
-  text = _backend.lower_for_cuda(fn, jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
-  assert "mosaic_gpu" in text
 
 
 def test_window_weights_wrap_ages_and_skip_unwritten_rows():
   window, b1, b2 = 3, 0.5, 0.25
   for count in range(1, 8):
-    weights = np.asarray(mu.window_weights(count, b1, b2, window=window))
+    weights = np.asarray(microadam_update.window_weights(count, b1, b2, window=window))
     c1 = (1 - b1) / (1 - b1**count)
     c2 = (1 - b2) / (1 - b2**count)
     # Independent bookkeeping: step s (1-based) wrote row (s - 1) % window,
@@ -143,13 +122,11 @@ def test_window_weights_wrap_ages_and_skip_unwritten_rows():
       np.testing.assert_allclose(weights[:, row], want, rtol=1e-6, err_msg=f"t={count} r={row}")
 
 
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-def test_untouched_entries_get_zero_even_with_zero_eps(implementation):
+def test_untouched_entries_get_zero_even_with_zero_eps():
   indices = jnp.array([[3], [3]], jnp.int16)  # density 0.001 keeps 1 of a tail of 300
   values = jnp.array([[2.0], [0.0]], jnp.bfloat16)
-  update = mu.microadam_update(
-      indices, values, 1, 0.9, 0.999, 0.0, size=300, density=0.001, block_size=512,
-      implementation=implementation,
+  update = microadam_update.microadam_update(
+      indices, values, 1, 0.9, 0.999, 0.0, size=300, density=0.001, block_size=512
   )
   want = np.zeros(300, np.float32)
   want[3] = 1.0  # Step 1 of Adam: sign(g).
@@ -159,61 +136,18 @@ def test_untouched_entries_get_zero_even_with_zero_eps(implementation):
 def test_flat_positions_follow_block_major_layout():
   # Blocks of 128 keep k = 5 entries each, the tail of 104 keeps 4.
   indices = jnp.array([0, 7, 9, 100, 127] * 7 + [1, 2, 50, 103], jnp.int16)
-  positions = np.asarray(mu.flat_positions(indices, k=5, block_size=128))
+  positions = np.asarray(microadam_update.flat_positions(indices, k=5, block_size=128))
   blocks = np.repeat(np.arange(8), [5] * 7 + [4])
   np.testing.assert_array_equal(positions, blocks * 128 + np.asarray(indices))
 
 
-def test_rejects_bad_shapes_and_kernel_block_sizes():
+def test_rejects_bad_shapes():
   ring = jnp.zeros((2, 4), jnp.int16)
   with pytest.raises(ValueError, match="indices must have shape"):
-    mu.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.06, block_size=50)
+    microadam_update.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.06, block_size=50)
   with pytest.raises(ValueError, match="values must have the shape"):
-    mu.microadam_update(
+    microadam_update.microadam_update(
         ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50
     )
   with pytest.raises(ValueError, match="^density must"):
-    mu.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.0, block_size=50)
-  for block_size in (100, mu.MAX_KERNEL_BLOCK_SIZE + 256):
-    size = 2 * block_size
-    ring = jnp.zeros((1, 2), jnp.int16)  # density 1e-6 keeps one entry per block
-    with pytest.raises(ValueError, match="block_size must be a multiple of 256"):
-      mu.microadam_update(
-          ring, ring, 1, 0.9, 0.999, 1e-8, size=size, density=1e-6, block_size=block_size,
-          implementation="pallas",
-      )
-  with pytest.raises(ValueError, match="implementation"):
-    mu.microadam_update(
-        ring, ring, 1, 0.9, 0.999, 1e-8, size=size, density=1e-6, block_size=block_size,
-        implementation="triton",
-    )
-
-
-def lowered_update(block_size: int) -> str:
-  size, window = 2 * block_size, 2
-  ring = jax.ShapeDtypeStruct((window, 2), jnp.int16)  # density 1e-6: one entry per block
-  fn = functools.partial(mu.microadam_update, size=size, density=1e-6, block_size=block_size)
-  scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  return _backend.lower_for_cuda(
-      fn, ring, ring, jax.ShapeDtypeStruct((), jnp.int32), scalar, scalar, scalar
-  )
-
-
-@pytest.mark.parametrize("kernel_faster", [True, False])
-def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", kernel_faster)
-  assert ("mosaic_gpu" in lowered_update(256)) == kernel_faster
-  # A block size the kernel lacks takes XLA, whatever the table says.
-  assert "mosaic_gpu" not in lowered_update(100)
-
-
-def test_auto_on_hopper_follows_the_shipped_table(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  assert ("mosaic_gpu" in lowered_update(256)) == dispatch.FASTER_ON_HOPPER["microadam_update"]
-
-
-def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "microadam_update", True)
-  assert "mosaic_gpu" not in lowered_update(256)
+    microadam_update.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.0, block_size=50)
