@@ -1,4 +1,4 @@
-"""Optimizer-state bytes per parameter of every optimizer, without training.
+"""Optimizer-state bytes per parameter of every optimizer, and the peak of a step on the CPU.
 
 Prints a markdown table and writes ``results/memory.json``. The demo and 10M
 models are measured on real states; Llama-2-7B shapes through
@@ -6,6 +6,17 @@ models are measured on real states; Llama-2-7B shapes through
 for Llama-2-7B stand beside ours.
 
     python -m benchmarks.memory
+
+With ``--step-peak FILE`` it compiles each optimizer's donated step (update,
+then ``optax.apply_updates``; parameters and state donated, gradients not)
+for this machine's CPU and records XLA's memory analysis: the peak
+(arguments + outputs - aliased + temporaries) and what it holds beyond
+parameters, gradients and state. ``--render FILE`` prints that file's table,
+as ``benchmarks/README.md`` quotes it.
+
+    python -m benchmarks.memory --step-peak benchmarks/data/cpu_step_memory.json --models 10M 40M \\
+        --optimizers adamw microadam
+    python -m benchmarks.memory --render benchmarks/data/cpu_step_memory.json
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import json
 import pathlib
 
 import jax
+import optax
 
 from benchmarks import shapes
 from optax_memopt import state_nbytes
@@ -38,11 +50,77 @@ def state_bytes(name: str, model: str) -> tuple[int, int]:
   return state_nbytes(jax.eval_shape(optimizer.init, abstract)), shapes.count(abstract)
 
 
+def step_peak(name: str, model: str) -> dict:
+  """One optimizer's donated step on ``model``, compiled for the CPU: bytes per parameter.
+
+  Returns:
+    ``n_params``; ``state`` (bytes per parameter); ``peak``, XLA's peak of
+    the step (arguments + outputs - aliased + temporaries); ``temporaries``,
+    the peak beyond parameters, gradients and state.
+  """
+  abstract = shapes.params(model, abstract=True)
+  optimizer = optimizers.get(name).build(1e-3, shapes.MODELS[model])
+  state = jax.eval_shape(optimizer.init, abstract)
+
+  def step(params, state, grads):
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(abstract, state, abstract).compile()
+  analysis = compiled.memory_analysis()
+  peak = (
+      analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+      + analysis.temp_size_in_bytes
+  )
+  n_params = shapes.count(abstract)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+  state_bytes = state_nbytes(state)
+  return {
+      "n_params": n_params,
+      "state": state_bytes / n_params,
+      "peak": peak / n_params,
+      "temporaries": (peak - 2 * param_bytes - state_bytes) / n_params,
+  }
+
+
+def render_step_peak(results: dict) -> str:
+  """The markdown table of a ``--step-peak`` results file, bytes per parameter."""
+  lines = [
+      "| model | params | optimizer | state | peak | temporaries | peak / adamw's |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for model, rows in results["models"].items():
+    adamw = rows["adamw"]["peak"]
+    for name, row in rows.items():
+      lines.append(
+          f"| {model} | {row['n_params']:,} | {name} | {row['state']:.3f} | {row['peak']:.2f} |"
+          f" {row['temporaries']:.2f} | {row['peak'] / adamw:.2f} |"
+      )
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["demo", "10M", "llama2_7b"], choices=sorted(shapes.MODELS))
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS),
+                      choices=list(optimizers.OPTIMIZERS), help="for --step-peak (adamw is always measured)")
+  parser.add_argument("--step-peak", type=pathlib.Path, help="measure the CPU step's peak into this results file")
+  parser.add_argument("--render", type=pathlib.Path, help="print the table of a --step-peak results file and exit")
   args = parser.parse_args(argv)
+
+  if args.render:
+    print(render_step_peak(json.loads(args.render.read_text())))
+    return
+  if args.step_peak:
+    names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
+    results = {"jax": jax.__version__, "backend": jax.default_backend(), "models": {}}
+    for model in args.models:
+      results["models"][model] = {name: step_peak(name, model) for name in names}
+    args.step_peak.parent.mkdir(parents=True, exist_ok=True)
+    args.step_peak.write_text(json.dumps(results, indent=1) + "\n")
+    print(render_step_peak(results))
+    return
 
   rows = []
   for name in optimizers.OPTIMIZERS:

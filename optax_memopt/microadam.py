@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk
+from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk, xla_cpu
 
 ERROR_BITS = 4
 
@@ -252,7 +252,9 @@ def scale_by_microadam(
       direction = direction.reshape(gradient.shape).astype(gradient.dtype)
       return (direction, indices, values, *error)
 
-    per_leaf = jax.tree.map(update_leaf, updates, state.indices, state.values, *state.error)
+    # On XLA:CPU one leaf after another, so that one leaf's dense temporaries
+    # (its error feedback and direction) are live at a time, not every leaf's.
+    per_leaf = xla_cpu.tree_map(update_leaf, updates, state.indices, state.values, *state.error)
     directions, indices, values, *error = leaves.unzip(updates, per_leaf, 6)
     return directions, ScaleByMicroAdamState(
         count, indices, values, quantize.QuantizedArray(*error)
