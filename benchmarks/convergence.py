@@ -1,199 +1,541 @@
-"""Does the model still learn? Pre-training and fine-tuning runs for every optimizer.
+"""Does the model still learn, and how far from AdamW? Rate sweeps that bracket each optimizer's best.
 
-1. Pre-training: each optimizer trains the demo model from scratch on
-   CPython's help pages (``pydoc_topics``).
+Two tasks, on the demo Transformer at two sizes (``SIZES``):
+
+1. Pre-training: each optimizer trains the model from scratch on CPython's
+   help pages (``pydoc_topics``).
 2. Fine-tuning, the use case MicroAdam and TACO were made for: AdamW
-   pre-trains the model on ``pydoc_topics`` (its default learning rate, the
-   first seed), the weights are saved, then each optimizer fine-tunes them on
-   a different real corpus, the Python source of standard-library modules
-   (``stdlib_source``), at ``--finetune-lr-scale`` of its default rate.
+   pre-trains the model on ``pydoc_topics`` (its default rate, seed 0), then
+   each optimizer fine-tunes those weights on the Python source of
+   standard-library modules (``stdlib_source``), from ``lr_scale`` times its
+   default rate.
 
-Each optimizer runs at three peak learning rates (its default times 1/3, 1
-and 3) and three seeds (initialisation and batches; batches only when
-fine-tuning). Its row is the rate with the lowest mean validation loss over
-the seeds, with the mean and spread (largest minus smallest) of that rate's
-runs and the mean validation loss at every rate, so that no optimizer is
-judged at a rate that happened to suit another. Seeds are shared: every
-optimizer sees the same initialisations and batches.
+Each optimizer's peak rates are its default times powers of 3. The sweep
+starts at x1/3, x1 and x3 and, while the lowest mean validation loss sits at
+an edge of the rates tried, adds the next rate on that side, up to
+``MAX_EXPONENT`` powers of 3 from the default: an optimizer is judged at its
+own best rate, not at one that happened to suit another. Every rate runs every
+seed of its task (initialisation and batches; batches only when
+fine-tuning), the same seeds for every optimizer. A table row gives the best
+rate's mean validation loss and its standard error over the seeds, the gap to
+AdamW with the standard error of the per-seed differences, and the mean at
+every rate; a best rate at an edge of its grid is marked.
 
-Prints both tables with the gap to AdamW, writes ``results/convergence.json``,
-``results/convergence_pretrain.png`` and ``results/convergence_finetune.png``
-(the winning rate's loss curves, averaged over the seeds).
+Every run is appended to the JSON results (``--results``) as soon as it ends,
+and a run already there is not run again, so the benchmark runs in parts
+(``--optimizers``, ``--sizes``, ``--tasks``) and resumes after an
+interruption. The tables and the plots come from the results alone:
 
-    python -m benchmarks.convergence
+    python -m benchmarks.convergence --sizes small --tasks finetune   # runs, resumable
+    python -m benchmarks.convergence --estimate   # the full protocol's time, from the runs measured
+    python -m benchmarks.convergence --render     # markdown to stdout, plots to benchmarks/figures
 """
 
 from __future__ import annotations
 
 import argparse
-import fractions
+import dataclasses
+import json
 import math
 import pathlib
+import time
 
 import flax.serialization
 import numpy as np
 
 from optax_memopt.__main__ import MODEL_SIZES, learning_rate_schedule
-from optax_memopt.training import loop, optimizers, report
+from optax_memopt.training import data, loop, model, optimizers, report
 
-LR_MULTIPLIERS = (1 / 3, 1.0, 3.0)
-SEEDS = (0, 1, 2)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "data" / "convergence.json"
+FIGURES = ROOT / "benchmarks" / "figures"
+
+SIZES = {
+    "small": MODEL_SIZES["small"],
+    "large": model.TransformerConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+}
+BATCH_SIZE = 16
+SEQ_LEN = 64
+PRETRAIN_CORPUS = "pydoc_topics"
+FINETUNE_CORPUS = "stdlib_source"
+BASE_OPTIMIZER = "adamw"
+# The registry's optimizers, then the variants that answer issue 33's questions.
+NAMES = (*optimizers.OPTIMIZERS, *optimizers.VARIANTS)
+BASE_SEED = 0
 
 
-def multiplier_name(multiplier: float) -> str:
-  return f"x{fractions.Fraction(multiplier).limit_denominator(100)}"
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One sweep's setting: what each run trains on, for how long, from which rates and seeds."""
+
+  corpus: str
+  steps: int
+  seeds: tuple[int, ...]
+  lr_scale: float  # The rates are lr_scale * default * 3**exponent.
+  optimizers: tuple[str, ...] | None = None  # None: every one.
 
 
-def _validation_loss(figures: dict) -> float:
+# The larger model runs only the optimizers whose fine-tuning gap is in
+# question (and the remedies), 100 steps and three seeds, and is not
+# pre-trained: a step costs it 30-60 times the small model's, and the whole
+# protocol has to fit in three hours on 2 CPU cores (``--estimate``).
+LARGE_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_8bit_vocab_fp32", "adamw_fp8", "adamw_4bit", "microadam",
+                    "microadam_5pct", "taco", "taco_one_segment")
+PROTOCOL = {
+    "small": {
+        "finetune": Task(FINETUNE_CORPUS, steps=300, seeds=(0, 1, 2, 3, 4), lr_scale=0.3),
+        "pretrain": Task(PRETRAIN_CORPUS, steps=1000, seeds=(0,), lr_scale=1.0),
+    },
+    "large": {
+        "finetune": Task(FINETUNE_CORPUS, steps=100, seeds=(0, 1, 2), lr_scale=0.3, optimizers=LARGE_OPTIMIZERS),
+    },
+}
+# AdamW's pre-training run whose weights every fine-tuning run starts from.
+BASE_PRETRAIN_STEPS = {"small": 1000, "large": 500}
+START_EXPONENTS = (-1, 0, 1)
+MAX_EXPONENT = 4  # The grid stops at x81 and x1/81 of the default.
+LOSSES_EVERY = 10  # A run keeps the mean training loss of every 10 steps, for the plots.
+
+
+def rate_name(exponent: int) -> str:
+  """``x3``, ``x1``, ``x1/9``: the multiple ``3**exponent`` of the default rate."""
+  return f"x{3 ** exponent}" if exponent >= 0 else f"x1/{3 ** -exponent}"
+
+
+def validation(run: dict) -> float:
   """A run's validation loss; infinite for a run that diverged."""
-  return math.inf if figures["validation_loss"] is None else figures["validation_loss"]
+  return math.inf if run["validation_loss"] is None else run["validation_loss"]
 
 
-def _finite_or_none(value: float) -> float | None:
-  """None for a diverged figure, which JSON cannot hold as a number."""
-  return value if math.isfinite(value) else None
+def standard_error(values) -> float | None:
+  """Standard error of the mean (sample standard deviation / sqrt(n)); None for fewer than two values."""
+  values = np.asarray(values, dtype=np.float64)
+  if len(values) < 2 or not np.all(np.isfinite(values)):
+    return None
+  return float(np.std(values, ddof=1) / math.sqrt(len(values)))
 
 
-def sweep(name, config, args, *, corpus, steps, params=None, lr_scale=1.0):
-  """Every (rate, seed) run of one optimizer; returns its row at the best rate and every run's figures."""
-  spec = optimizers.get(name)
-  runs = {}
-  for multiplier in args.lr_multipliers:
-    peak = spec.default_learning_rate * lr_scale * multiplier
-    runs[multiplier] = []
-    for seed in args.seeds:
-      try:
-        result = loop.train(
-            config, spec.build(learning_rate_schedule(peak, steps), config), steps=steps,
-            batch_size=args.batch_size, seq_len=args.seq_len, seed=seed, corpus=corpus, params=params,
-        )
-        figures = report.summary(name, result)
-      except loop.NonFiniteLossError as error:
-        # A rate that diverges loses the sweep; the other rates still run.
-        figures = report.summary(name, error.result, diverged_at_step=error.step)
-      runs[multiplier].append(figures | {"learning_rate": peak, "seed": seed})
-      print(f"  {name} lr {peak:.2e} ({multiplier_name(multiplier)}) seed {seed}:"
-            f" validation loss {_validation_loss(figures):.3f}", flush=True)
-  mean_validation = {m: float(np.mean([_validation_loss(r) for r in rs])) for m, rs in runs.items()}
-  best = min(args.lr_multipliers, key=lambda m: mean_validation[m])
-  best_runs = runs[best]
-  validation = [_validation_loss(r) for r in best_runs]
+def runs_of(results: dict, size: str, task: str, optimizer: str | None = None) -> list[dict]:
+  return [r for r in results["runs"] if r["size"] == size and r["task"] == task
+          and optimizer in (None, r["optimizer"])]
+
+
+def complete_rates(runs: list[dict], seeds) -> dict[int, list[dict]]:
+  """The runs of each rate that has run every seed, by exponent, in seed order."""
+  by_rate = {}
+  for r in runs:
+    by_rate.setdefault(r["exponent"], {})[r["seed"]] = r
+  return {e: [by_seed[s] for s in seeds] for e, by_seed in sorted(by_rate.items()) if set(seeds) <= set(by_seed)}
+
+
+def mean_validation(runs: list[dict]) -> float:
+  return float(np.mean([validation(r) for r in runs]))
+
+
+def next_exponent(means: dict[int, float], *, start=START_EXPONENTS, limit: int = MAX_EXPONENT) -> int | None:
+  """The next rate a sweep runs, or None when its best mean lies inside the rates tried (or at the limit).
+
+  Args:
+    means: mean validation loss by exponent of the rates already complete.
+    start: the rates every sweep runs first.
+    limit: the largest ``|exponent|`` a sweep may reach.
+  """
+  missing = [e for e in start if e not in means]
+  if missing:
+    return missing[0]
+  best = min(sorted(means), key=lambda e: means[e])  # Ties to the smaller rate.
+  if best == min(means) and best > -limit:
+    return best - 1
+  if best == max(means) and best < limit:
+    return best + 1
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One optimizer's sweep, summarized at its best rate."""
+
+  optimizer: str
+  exponent: int
+  learning_rate: float
+  validation_loss: float  # Infinite where every seed of every rate diverged.
+  standard_error: float | None
+  validation: tuple[float, ...]  # Per seed, in the task's seed order.
+  final_train_loss: float
+  means: dict[int, float]  # Mean validation loss by exponent, every complete rate.
+  at_edge: bool  # The best is the smallest or largest rate tried.
+  finished: bool  # The sweep has nothing left to run.
+  state_bytes_per_param: float
+  state_bytes: int
+  adamw_state_bytes: int
+  train_losses: list[float]  # Mean over the best rate's seeds, one point per LOSSES_EVERY steps.
+  diverged_at_step: int | None
+
+
+def summarize(runs: list[dict], seeds, *, limit: int = MAX_EXPONENT) -> Row | None:
+  """The row of one optimizer's sweep; None before any rate has run all its seeds."""
+  rates = complete_rates(runs, seeds)
+  if not rates:
+    return None
+  means = {e: mean_validation(rs) for e, rs in rates.items()}
+  best = min(sorted(means), key=lambda e: means[e])
+  best_runs = rates[best]
   shortest = min(len(r["train_losses"]) for r in best_runs)
-  # The state's size does not depend on the rate or the seed.
-  sizes = ("state_bytes", "state_bytes_per_param", "adamw_state_bytes", "adamw_state_bytes_per_param", "n_params")
-  row = {key: best_runs[0][key] for key in sizes} | {
-      "optimizer": name,
-      "learning_rate": best_runs[0]["learning_rate"],
-      "lr_multiplier": best,
-      # Set only where every seed of every rate diverged.
-      "diverged_at_step": min((r["diverged_at_step"] for r in best_runs if r["diverged_at_step"]), default=None)
-      if not math.isfinite(mean_validation[best]) else None,
-      "validation_loss": _finite_or_none(float(np.mean(validation))),
-      "validation_spread": _finite_or_none(float(np.max(validation) - np.min(validation))),
-      "final_train_loss": float(np.mean([math.nan if r["final_train_loss"] is None else r["final_train_loss"] for r in best_runs])),
-      "validation_by_multiplier": {multiplier_name(m): _finite_or_none(v) for m, v in mean_validation.items()},
-      "ms_per_step": float(np.median([r["ms_per_step"] for rs in runs.values() for r in rs if r["ms_per_step"] is not None])),
-      # The winning rate's curve, averaged over the seeds, for the plot (cut
-      # to the shortest run where every rate diverged).
-      "train_losses": list(np.mean([r["train_losses"][:shortest] for r in best_runs], axis=0)),
-  }
-  for rs in runs.values():
-    for r in rs:
-      del r["train_losses"]
-  return row, runs
+  values = tuple(validation(r) for r in best_runs)
+  return Row(
+      optimizer=best_runs[0]["optimizer"],
+      exponent=best,
+      learning_rate=best_runs[0]["learning_rate"],
+      validation_loss=means[best],
+      standard_error=standard_error(values),
+      validation=values,
+      final_train_loss=float(np.mean([math.inf if r["final_train_loss"] is None else r["final_train_loss"]
+                                      for r in best_runs])),
+      means=means,
+      at_edge=best in (min(means), max(means)),
+      finished=next_exponent(means, limit=limit) is None,
+      state_bytes_per_param=best_runs[0]["state_bytes"] / best_runs[0]["n_params"],
+      state_bytes=best_runs[0]["state_bytes"],
+      adamw_state_bytes=best_runs[0]["adamw_state_bytes"],
+      train_losses=[float(x) for x in np.mean([r["train_losses"][:shortest] for r in best_runs], axis=0)],
+      diverged_at_step=min((r["diverged_at_step"] for r in best_runs if r["diverged_at_step"]), default=None)
+      if not math.isfinite(means[best]) else None,
+  )
 
 
-def _loss(value: float | None) -> str:
-  return "diverged" if value is None or not math.isfinite(value) else f"{value:.3f}"
+def gap_to(row: Row, base: Row) -> tuple[float, float | None]:
+  """Mean validation gap of ``row`` to ``base`` and the standard error of the per-seed differences."""
+  differences = np.asarray(row.validation) - np.asarray(base.validation)
+  return float(row.validation_loss - base.validation_loss), standard_error(differences)
 
 
-def markdown_table(rows, multipliers) -> str:
-  base = next((r for r in rows if r["optimizer"] == "adamw"), None)
-  rates = [multiplier_name(m) for m in multipliers]
+def _loss(value: float) -> str:
+  return f"{value:.3f}" if math.isfinite(value) else "diverged"
+
+
+def _plus_minus(value: float, error: float | None, sign: str = "+") -> str:
+  """``value ± error``, with a sign when ``sign`` is "+"; "diverged" for an infinite value."""
+  if not math.isfinite(value):
+    return "diverged"
+  return f"{value:{sign}.3f} ± {error:.3f}" if error is not None else f"{value:{sign}.3f}"
+
+
+def best_rate_cell(row: Row) -> str:
+  """The best rate, marked where it is an edge of the grid: an unfinished sweep, or the limit reached."""
+  text = f"{row.learning_rate:.1e} ({rate_name(row.exponent)})"
+  if not row.at_edge:
+    return text
+  return f"{text}, edge: {'at the limit' if row.finished else 'sweep unfinished'}"
+
+
+def seeds_of(results: dict, size: str, task: str) -> tuple[int, ...]:
+  return tuple(results["protocol"]["sizes"][size][task]["seeds"])
+
+
+def row_of(results: dict, size: str, task: str, name: str) -> Row | None:
+  return summarize(runs_of(results, size, task, name), seeds_of(results, size, task),
+                   limit=results["protocol"]["max_exponent"])
+
+
+def rows_of(results: dict, size: str, task: str) -> list[Row]:
+  """Every optimizer's row for one task, AdamW first, then in the order they first ran."""
+  names = list(dict.fromkeys(r["optimizer"] for r in runs_of(results, size, task)))
+  names.sort(key=lambda n: n != BASE_OPTIMIZER)
+  rows = (row_of(results, size, task, n) for n in names)
+  return [row for row in rows if row is not None]
+
+
+def markdown_table(rows: list[Row]) -> str:
+  base = next((r for r in rows if r.optimizer == BASE_OPTIMIZER), None)
+  exponents = sorted({e for r in rows for e in r.means})
   lines = [
-      "| optimizer | best rate | train loss | validation loss | spread | gap to AdamW | "
-      + " | ".join(f"validation at {r}" for r in rates) + " | state bytes/param |",
-      "|---" * (7 + len(rates)) + "|",
+      "| optimizer | best rate | validation loss | gap to AdamW | train loss | "
+      + " | ".join(f"{rate_name(e)}" for e in exponents) + " | state bytes/param |",
+      "|---" * (6 + len(exponents)) + "|",
   ]
   for r in rows:
-    gap = (f"{r['validation_loss'] - base['validation_loss']:+.3f}"
-           if base and None not in (r["validation_loss"], base["validation_loss"]) else "n/a")
+    gap = _plus_minus(*gap_to(r, base)) if base else "n/a"
     lines.append(
-        f"| {r['optimizer']} | {r['learning_rate']:.1e} ({multiplier_name(r['lr_multiplier'])})"
-        f" | {_loss(r['final_train_loss'])} | {_loss(r['validation_loss'])} | {_loss(r['validation_spread'])} | {gap} | "
-        + " | ".join(_loss(r["validation_by_multiplier"][name]) for name in rates)
-        + f" | {r['state_bytes_per_param']:.3f} |"
+        f"| {r.optimizer} | {best_rate_cell(r)} | {_plus_minus(r.validation_loss, r.standard_error, sign='')}"
+        f" | {gap} | {_loss(r.final_train_loss)} | "
+        + " | ".join(_loss(r.means[e]) if e in r.means else "" for e in exponents)
+        + f" | {r.state_bytes_per_param:.3f} |"
     )
   return "\n".join(lines)
 
 
-def positive_fraction(text: str) -> float:
-  value = float(fractions.Fraction(text))
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be > 0; got {text}")
-  return value
+TASK_TITLES = {
+    "pretrain": "Pre-training from scratch on CPython's help pages (`pydoc_topics`)",
+    "finetune": "Fine-tuning AdamW's pre-trained weights on the standard library's source (`stdlib_source`)",
+}
+
+
+def figure_path(size: str, task: str) -> pathlib.Path:
+  return FIGURES / f"convergence_{task}_{size}.png"
+
+
+def render(results: dict, optimizer_names=NAMES) -> str:
+  """Markdown for benchmarks/README.md: one table per size and task, with what is still missing."""
+  protocol = results["protocol"]
+  parts = []
+  for size, tasks in protocol["sizes"].items():
+    for task, setting in tasks.items():
+      rows = rows_of(results, size, task)
+      head = (f"{TASK_TITLES[task]}, {size} model ({protocol['n_params'][size]:,} parameters),"
+              f" {setting['steps']} steps, {len(setting['seeds'])} seed{'s' * (len(setting['seeds']) > 1)}")
+      if task == "finetune" and size in results["bases"]:
+        head += f" (validation loss before: {results['bases'][size]['validation_loss_before']:.3f})"
+      missing = [n for n in setting["optimizers"] or optimizer_names if n not in {r.optimizer for r in rows}]
+      unfinished = [r.optimizer for r in rows if not r.finished]
+      status = []
+      if missing:
+        status.append("not run yet: " + ", ".join(missing))
+      if unfinished:
+        status.append("sweep unfinished: " + ", ".join(unfinished))
+      head += "." if not status else f". Partial ({'; '.join(status)})."
+      parts.append(head)
+      if rows:
+        parts.append(markdown_table(rows))
+        parts.append(f"![{task}, {size}](figures/{figure_path(size, task).name})")
+  return "\n\n".join(parts)
+
+
+def quality_cell(results: dict, optimizer: str, size: str = "small") -> str:
+  """README's "fine-tuning: validation loss vs AdamW" cell for ``optimizer``, from the results."""
+  rows = {r.optimizer: r for r in rows_of(results, size, "finetune")} if runs_of(results, size, "finetune") else {}
+  if optimizer not in rows or BASE_OPTIMIZER not in rows or not rows[optimizer].finished:
+    return "not measured yet"
+  row = rows[optimizer]
+  if optimizer == BASE_OPTIMIZER:
+    return f"+0.000 (loss {row.validation_loss:.3f})"
+  text = _plus_minus(*gap_to(row, rows[BASE_OPTIMIZER]))
+  return f"{text} (best rate at the grid's edge)" if row.at_edge else text
+
+
+def plot(results: dict) -> list[pathlib.Path]:
+  """Each table's loss curves at the best rates, beside state bytes per parameter."""
+  written = []
+  for size, tasks in results["protocol"]["sizes"].items():
+    for task in tasks:
+      rows = rows_of(results, size, task)
+      if not rows:
+        continue
+      path = figure_path(size, task)
+      report.plot_losses(path, [{
+          "optimizer": r.optimizer, "train_losses": r.train_losses, "diverged_at_step": r.diverged_at_step,
+          "state_bytes_per_param": r.state_bytes_per_param, "state_bytes": r.state_bytes,
+          "adamw_state_bytes": r.adamw_state_bytes,
+          "adamw_state_bytes_per_param": r.adamw_state_bytes / r.state_bytes * r.state_bytes_per_param,
+      } for r in rows], f"{TASK_TITLES[task].split(' (')[0].lower()}, {size} model", steps_per_point=LOSSES_EVERY)
+      written.append(path)
+  return written
+
+
+def protocol_json() -> dict:
+  """The protocol as stored beside the runs: a resumed sweep must run the same one."""
+  sizes = tuple(SIZES)
+  return {
+      "sizes": {s: {t: json.loads(json.dumps(dataclasses.asdict(task))) for t, task in PROTOCOL[s].items()}
+                for s in sizes},
+      "n_params": {s: model.parameter_count(SIZES[s]) for s in sizes},
+      "configs": {s: dataclasses.asdict(SIZES[s]) for s in sizes},
+      "base_pretrain_steps": {s: BASE_PRETRAIN_STEPS[s] for s in sizes},
+      "batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "max_exponent": MAX_EXPONENT, "losses_every": LOSSES_EVERY,
+  }
+
+
+def load(path: pathlib.Path) -> dict:
+  """The results so far; an empty set for a file that does not exist yet."""
+  if not path.exists():
+    return {"protocol": protocol_json(), "bases": {}, "runs": []}
+  results = json.loads(path.read_text())
+  if results["protocol"] != protocol_json():
+    raise SystemExit(f"{path} holds runs of another protocol; move it away or pass another --results")
+  return results
+
+
+def save(path: pathlib.Path, results: dict) -> None:
+  """Writes the results through a temporary file, so an interruption never leaves half a file."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  partial = path.with_suffix(".json.partial")
+  partial.write_text(json.dumps(results, indent=0, allow_nan=False) + "\n")
+  partial.replace(path)
+
+
+def _means_of(losses: list[float], every: int) -> list[float]:
+  return [round(float(np.mean(losses[i:i + every])), 4) for i in range(0, len(losses), every)]
+
+
+def train_once(name: str, size: str, task: str, exponent: int, seed: int, params=None) -> dict:
+  """One run's record for the results: its losses, its state's size, its time."""
+  setting = PROTOCOL[size][task]
+  spec = optimizers.get(name)
+  peak = spec.default_learning_rate * setting.lr_scale * 3.0 ** exponent
+  config = SIZES[size]
+  start = time.perf_counter()
+  try:
+    result = loop.train(config, spec.build(learning_rate_schedule(peak, setting.steps), config), steps=setting.steps,
+                        batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=seed, corpus=setting.corpus, params=params)
+    figures = report.summary(name, result)
+  except loop.NonFiniteLossError as error:
+    # A rate that diverges loses the sweep; the other rates still run.
+    figures = report.summary(name, error.result, diverged_at_step=error.step)
+  return {
+      "size": size, "task": task, "optimizer": name, "exponent": exponent, "seed": seed, "learning_rate": peak,
+      "validation_loss": figures["validation_loss"], "final_train_loss": figures["final_train_loss"],
+      "diverged_at_step": figures["diverged_at_step"], "state_bytes": figures["state_bytes"],
+      "adamw_state_bytes": figures["adamw_state_bytes"], "n_params": figures["n_params"],
+      "ms_per_step": figures["ms_per_step"], "seconds": round(time.perf_counter() - start, 2),
+      "train_losses": _means_of(figures["train_losses"], LOSSES_EVERY),
+  }
+
+
+def pretrained_base(size: str, results: dict, cache: pathlib.Path):
+  """AdamW's pre-trained weights for ``size`` (trained once, then read from ``cache``) and their figures."""
+  config = SIZES[size]
+  spec = optimizers.get(BASE_OPTIMIZER)
+  graphdef, template = loop.init_params(config, BASE_SEED)
+  base = dict(results["bases"].get(size, {}))
+  if cache.exists():
+    params = flax.serialization.from_bytes(template, cache.read_bytes())
+  else:
+    print(f"pre-training the {size} model's base: {BASE_OPTIMIZER}, {BASE_PRETRAIN_STEPS[size]} steps", flush=True)
+    start = time.perf_counter()
+    params = loop.train(
+        config, spec.build(learning_rate_schedule(spec.default_learning_rate, BASE_PRETRAIN_STEPS[size]), config),
+        steps=BASE_PRETRAIN_STEPS[size], batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=BASE_SEED,
+        corpus=PRETRAIN_CORPUS,
+    ).params
+    base["seconds"] = round(time.perf_counter() - start, 2)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_bytes(flax.serialization.to_bytes(params))
+  before = loop.evaluate(graphdef, params, data.split(data.load_corpus(FINETUNE_CORPUS))[1],
+                         batch_size=BATCH_SIZE, seq_len=SEQ_LEN)
+  # Another machine's base differs in the last bits, not more: a larger change means other weights.
+  if abs(base.get("validation_loss_before", before) - before) > 1e-3:
+    raise SystemExit(f"{cache} is not the base the results' fine-tuning runs started from; delete it")
+  return params, base | {"validation_loss_before": base.get("validation_loss_before", before)}
+
+
+def pending(results: dict, name: str, size: str, task: str) -> list[tuple[int, int]]:
+  """The (exponent, seed) runs the sweep needs next: the missing seeds of the next rate, or none."""
+  seeds = seeds_of(results, size, task)
+  runs = runs_of(results, size, task, name)
+  done = {(r["exponent"], r["seed"]) for r in runs}
+  partial = sorted({r["exponent"] for r in runs} - set(complete_rates(runs, seeds)))
+  means = {e: mean_validation(rs) for e, rs in complete_rates(runs, seeds).items()}
+  exponent = partial[0] if partial else next_exponent(means, limit=results["protocol"]["max_exponent"])
+  return [] if exponent is None else [(exponent, s) for s in seeds if (exponent, s) not in done]
+
+
+def seconds_per_run(results: dict, name: str, size: str, task: str, pace=np.median) -> float:
+  """A run's time: ``steps`` at the optimizer's time per step, plus the compiling and evaluation measured.
+
+  The time per step is ``pace`` (np.median: as measured; np.min: an idle
+  machine) of this optimizer's runs at this size; without any, AdamW's there
+  times this optimizer's ratio to AdamW at another size; for a size not run
+  yet, another size's, scaled by the parameter count.
+  """
+  def per_step(optimizer, size):
+    runs = [r["ms_per_step"] for r in results["runs"] if r["optimizer"] == optimizer and r["size"] == size
+            and r["ms_per_step"] is not None]
+    return float(pace(runs)) / 1e3 if runs else math.nan
+
+  measured = [s for s in SIZES if math.isfinite(per_step(BASE_OPTIMIZER, s))]
+  if not measured:
+    return math.nan
+  ratios = [per_step(name, s) / per_step(BASE_OPTIMIZER, s) for s in measured]
+  ratio = next((r for r in ratios if math.isfinite(r)), 1.0)
+  n_params = results["protocol"]["n_params"]
+  seconds = per_step(name, size)
+  if not math.isfinite(seconds):
+    base = size if size in measured else measured[0]
+    seconds = per_step(BASE_OPTIMIZER, base) * ratio * n_params[size] / n_params[base]
+  overhead = [r["seconds"] - r["ms_per_step"] / 1e3 * PROTOCOL[r["size"]][r["task"]].steps
+              for r in results["runs"] if r["ms_per_step"] is not None]
+  return PROTOCOL[size][task].steps * seconds + float(pace(overhead))
+
+
+def estimate(results: dict, names, rates_per_sweep: int = 4) -> str:
+  """The full protocol's time: the runs done as measured, the rest at :func:`seconds_per_run`.
+
+  A sweep not finished is reckoned at ``rates_per_sweep`` rates (the three
+  it starts with and one more), or one more rate than it has.
+  """
+  lines, done, left, idle = [], 0.0, 0.0, 0.0
+  for size in SIZES:
+    base = results["bases"].get(size, {})
+    done += base.get("seconds", 0.0)
+    if "seconds" not in base:  # AdamW's pre-training, reckoned as a long fine-tuning run.
+      for pace, total in ((np.median, "left"), (np.min, "idle")):
+        extra = seconds_per_run(results, BASE_OPTIMIZER, size, "finetune", pace) * (
+            BASE_PRETRAIN_STEPS[size] / PROTOCOL[size]["finetune"].steps)
+        left, idle = (left + extra, idle) if total == "left" else (left, idle + extra)
+    for task in PROTOCOL[size]:
+      for name in [n for n in names if n in (PROTOCOL[size][task].optimizers or names)]:
+        runs = runs_of(results, size, task, name)
+        row = row_of(results, size, task, name)
+        rates = len({r["exponent"] for r in runs})
+        seeds = len(PROTOCOL[size][task].seeds)
+        to_run = 0 if row is not None and row.finished else max(rates_per_sweep, rates + 1) * seeds - len(runs)
+        seconds = to_run * seconds_per_run(results, name, size, task) if to_run else 0.0
+        idle += to_run * seconds_per_run(results, name, size, task, np.min) if to_run else 0.0
+        done += sum(r["seconds"] for r in runs)
+        left += seconds
+        lines.append(f"  {size} {task} {name}: {len(runs)} runs done, about {to_run} to go ({seconds / 60:.0f} min)")
+  lines.append(f"done: {done / 3600:.1f} h. To go: {left / 3600:.1f} h at the median pace measured,"
+               f" {idle / 3600:.1f} h at the fastest (an idle machine).")
+  return "\n".join(lines)
+
+
+def run(results: dict, path: pathlib.Path, names, sizes, tasks, cache_dir: pathlib.Path) -> None:
+  """Runs every missing run of the chosen sweeps, saving the results after each."""
+  started = time.perf_counter()
+  count = 0
+  for task in tasks:
+    for size in [s for s in sizes if task in PROTOCOL[s]]:
+      params = None
+      if task == "finetune":
+        params, results["bases"][size] = pretrained_base(size, results, cache_dir / f"convergence_base_{size}.msgpack")
+        save(path, results)
+      for name in [n for n in names if n in (PROTOCOL[size][task].optimizers or names)]:
+        while todo := pending(results, name, size, task):
+          for exponent, seed in todo:
+            record = train_once(name, size, task, exponent, seed, params)
+            results["runs"].append(record)
+            save(path, results)
+            count += 1
+            print(f"[{count}, {(time.perf_counter() - started) / 60:.1f} min] {size} {task} {name}"
+                  f" {rate_name(exponent)} seed {seed}: validation {_loss(validation(record))}"
+                  f" ({record['seconds']:.0f} s)", flush=True)
+        row = row_of(results, size, task, name)
+        print(f"  {size} {task} {name}: best {best_rate_cell(row)}, validation {_loss(row.validation_loss)}",
+              flush=True)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS),
-                      choices=list(optimizers.OPTIMIZERS))
-  parser.add_argument("--model-size", default="small", choices=sorted(MODEL_SIZES))
-  parser.add_argument("--pretrain-steps", type=int, default=1000)
-  parser.add_argument("--finetune-steps", type=int, default=300)
-  parser.add_argument("--finetune-lr-scale", type=float, default=0.3,
-                      help="fine-tuning learning rate as a fraction of each optimizer's default")
-  parser.add_argument("--lr-multipliers", nargs="+", type=positive_fraction, default=list(LR_MULTIPLIERS),
-                      help="peak learning rates tried, as multiples of each optimizer's default (1/3 allowed)")
-  parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-  parser.add_argument("--batch-size", type=int, default=16)
-  parser.add_argument("--seq-len", type=int, default=64)
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument("--optimizers", nargs="+", default=list(NAMES), choices=list(NAMES))
+  parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+  parser.add_argument("--tasks", nargs="+", default=["finetune", "pretrain"], choices=["finetune", "pretrain"])
+  parser.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the JSON results, read and extended")
+  parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("results"),
+                      help="folder for the pre-trained bases of fine-tuning (not results: they are recomputed)")
+  parser.add_argument("--render", action="store_true", help="print the tables, write the plots, and exit")
+  parser.add_argument("--estimate", action="store_true", help="print the full protocol's time and exit")
   args = parser.parse_args(argv)
-  for flag in ("pretrain_steps", "finetune_steps", "batch_size", "seq_len"):
-    if getattr(args, flag) < 1:
-      parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-  config = MODEL_SIZES[args.model_size]
-  names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
-  print(f"{len(names)} optimizers x {len(args.lr_multipliers)} learning rates x {len(args.seeds)} seeds")
-
-  print(f"pre-training on pydoc_topics, {args.pretrain_steps} steps")
-  pretrain, pretrain_runs = [], {}
-  for name in names:
-    row, pretrain_runs[name] = sweep(name, config, args, corpus="pydoc_topics", steps=args.pretrain_steps)
-    pretrain.append(row)
-
-  # The fine-tuning starting point: AdamW at its default rate, the first seed.
-  base = loop.train(
-      config, optimizers.get("adamw").build(
-          learning_rate_schedule(optimizers.get("adamw").default_learning_rate, args.pretrain_steps), config),
-      steps=args.pretrain_steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seeds[0],
-  )
-  checkpoint = args.out / "pretrained_adamw.msgpack"
-  checkpoint.parent.mkdir(parents=True, exist_ok=True)
-  checkpoint.write_bytes(flax.serialization.to_bytes(base.params))
-  pretrained = flax.serialization.from_bytes(base.params, checkpoint.read_bytes())
-  before = loop.evaluate(
-      loop.init_params(config, args.seeds[0])[0], pretrained,
-      loop.data.split(loop.data.load_corpus("stdlib_source"))[1], batch_size=args.batch_size, seq_len=args.seq_len,
-  )
-  print(f"fine-tuning on stdlib_source, {args.finetune_steps} steps (validation loss before: {before:.3f})")
-  finetune, finetune_runs = [], {}
-  for name in names:
-    row, finetune_runs[name] = sweep(name, config, args, corpus="stdlib_source", steps=args.finetune_steps,
-                                     params=pretrained, lr_scale=args.finetune_lr_scale)
-    finetune.append(row)
-
-  for title, rows in (("pre-training on pydoc_topics", pretrain), ("fine-tuning on stdlib_source", finetune)):
-    print(f"\n{title}\n{markdown_table(rows, args.lr_multipliers)}")
-  report.plot_losses(args.out / "convergence_pretrain.png", pretrain, "pre-training on pydoc_topics")
-  report.plot_losses(args.out / "convergence_finetune.png", finetune, "fine-tuning on stdlib_source")
-  runs_by_rate = lambda runs: {n: {multiplier_name(m): rs for m, rs in by_rate.items()} for n, by_rate in runs.items()}
-  report.write_json(args.out / "convergence.json", {
-      "pretrain": pretrain, "finetune": finetune, "finetune_validation_loss_before": before,
-      "pretrain_runs": runs_by_rate(pretrain_runs), "finetune_runs": runs_by_rate(finetune_runs),
-      "lr_multipliers": args.lr_multipliers, "seeds": args.seeds,
-  })
+  results = load(args.results)
+  names = [BASE_OPTIMIZER] + [n for n in args.optimizers if n != BASE_OPTIMIZER]
+  if args.render:
+    print(render(results))
+    for path in plot(results):
+      print(f"wrote {path.relative_to(ROOT)}")
+    return
+  if args.estimate:
+    print(estimate(results, NAMES))
+    return
+  run(results, args.results, names, args.sizes, args.tasks, args.cache)
+  print(estimate(results, NAMES))
 
 
 if __name__ == "__main__":

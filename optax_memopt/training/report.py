@@ -84,7 +84,7 @@ def write_json(path: pathlib.Path, payload) -> None:
 BASELINE = "adamw"
 
 
-def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
+def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_per_point: int = 1) -> None:
   """Loss curves (whole run, and the second half zoomed) beside state bytes per parameter.
 
   The three panels answer "how close to AdamW, for how much memory": the
@@ -92,7 +92,8 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
   the optimizers differ; AdamW is drawn on top, black and dashed, so curves
   that coincide with it stay visible; the bars show each optimizer's state
   bytes per parameter next to AdamW's (computed for the same parameters
-  when AdamW was not trained).
+  when AdamW was not trained). Each point of a row's ``train_losses`` stands
+  for ``steps_per_point`` steps (runs that keep the mean of every 10 steps).
   """
   import matplotlib
 
@@ -116,7 +117,7 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
     if not r["train_losses"]:
       continue
     curve = smoothed(r["train_losses"], window=window)
-    steps = np.arange(len(curve)) + len(r["train_losses"]) - len(curve) + 1
+    steps = (np.arange(len(curve)) + len(r["train_losses"]) - len(curve) + 1) * steps_per_point
     label = r["optimizer"] if r["diverged_at_step"] is None else (
         f"{r['optimizer']} (diverged at step {r['diverged_at_step']})")
     for ax in (whole, zoom):
@@ -128,7 +129,7 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str) -> None:
     low, high = half.min(), half.max()
     pad = max(0.08 * (high - low), 1e-3)
     zoom.set_ylim(low - pad, high + pad)
-    zoom.set_xlim(max(len(r["train_losses"]) for r in rows) // 2, None)
+    zoom.set_xlim(max(len(r["train_losses"]) for r in rows) * steps_per_point // 2, None)
   whole.set_title("train loss")
   zoom.set_title("second half, zoomed")
   for ax in (whole, zoom):
