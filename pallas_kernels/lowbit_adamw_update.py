@@ -44,7 +44,9 @@ fast path), elementwise in the tensor's shape except for the blocks' absmax.
 In a GPU program the new moments are computed twice (:func:`_codes_zero`):
 one pass over memory reads ``g`` and the codes for the blocks' absmax and the
 direction, a second reads them again and writes the new codes over the old
-ones, and no float32 moment is written between them. A Mosaic GPU kernel
+ones (in place where decoding and encoding are elementwise: float8 and
+4-bit codes; 8-bit codes are table reads, whose results XLA:GPU writes to a
+new buffer and copies), and no float32 moment is written between them. A Mosaic GPU kernel
 holding a block in shared memory moved more bytes than these two passes
 (it writes the direction out before the parameters' update reads it), so
 there is none.
@@ -65,8 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import map_codes
-from pallas_kernels import static_args
+from pallas_kernels import map_codes, static_args
 from pallas_kernels.blocks import blocks_shape, from_blocks, to_blocks
 
 
@@ -224,6 +225,17 @@ def _codes_zero(count: jax.Array) -> jax.Array:
   return lax.platform_dependent(count, cuda=recomputed, rocm=recomputed, default=_opaque_zero)
 
 
+def _depending_on(codes: jax.Array, zero: jax.Array) -> jax.Array:
+  """``codes``, decoded under ``zero`` (:func:`_codes_zero`): each pass decodes on its own.
+
+  Otherwise XLA:GPU may write the decoded moments out once for both passes
+  (8 bytes per element each way) instead of decoding twice.
+  """
+  if codes.dtype != jnp.uint8:  # float8 codes: decoded by a conversion.
+    return codes
+  return codes | zero.astype(jnp.uint8)
+
+
 def _split_codes(moments: LowbitMoments, state_format: str) -> tuple[jax.Array, jax.Array]:
   if _paired(state_format):
     return moments.mu & np.uint8(0xF), moments.mu >> np.uint8(4)
@@ -259,20 +271,28 @@ def _step(
 
   mu_codes, nu_codes = _split_codes(moments, state_format)
 
-  def new_moments(zero):
-    mu = map_codes.map_decode(mu_codes, per_element(moments.mu_scales), code=state.mu_code)
-    nu = map_codes.map_decode(nu_codes, per_element(moments.nu_scales), code=state.nu_code)
+  def new_moments(zero, in_place):
+    mu, nu = (
+        map_codes.map_decode(_depending_on(codes, zero), per_element(scales), code=code, elementwise=in_place)
+        for codes, scales, code in (
+            (mu_codes, moments.mu_scales, state.mu_code),
+            (nu_codes, moments.nu_scales, state.nu_code),
+        )
+    )
     return _moments(grad, mu, nu, b1, b2, zero)
 
   count = jnp.asarray(count)
-  mu, nu = new_moments(_opaque_zero(count))
+  # The blocks' absmax in a first pass (decoding by table reads); the new
+  # codes and the direction in a second, elementwise, that XLA:GPU fuses with
+  # the parameters' update and that writes the codes in place.
   scales = [
       map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
-      for x, code in ((mu, state.mu_code), (nu, state.nu_code))
+      for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
   ]
+  mu, nu = new_moments(_codes_zero(count), in_place=True)
   codes = [
       map_codes.map_encode(x, per_element(s), code=code)
-      for x, s, code in zip(new_moments(_codes_zero(count)), scales, (state.mu_code, state.nu_code))
+      for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
   ]
   direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
   return direction.astype(grad.dtype), LowbitMoments(*_join_codes(*codes, state_format), *scales)

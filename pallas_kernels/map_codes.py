@@ -5,9 +5,13 @@ Each block of ``block_size`` consecutive elements keeps its absmax ``s``
 (a table of at most 256 float32 values in [-1, 1]) nearest to ``x / s``
 (bitsandbytes' dynamic maps, a linear map: :data:`CODE_MAPS`); it decodes to
 ``map[code] * s``. ``"float8_e4m3fn"`` instead stores ``x / (s / 448)`` as a
-float8 e4m3fn number. The nearest entry costs one table read per element
-(:func:`nearest_map_code`), and so does decoding, float8 included
-(:data:`FLOAT8_VALUES`).
+float8 e4m3fn number. On XLA:CPU the nearest entry costs one table read per
+element (:func:`nearest_map_code`), and so does decoding, float8 included
+(:data:`FLOAT8_VALUES`). Elsewhere float8 codes are converted, and map
+codes are decoded and encoded from each element alone, by selects and
+comparisons (16-entry maps) or by the map's formula (256-entry dynamic
+maps): :func:`map_entries_elementwise`, :func:`nearest_map_code_elementwise`.
+Then XLA:GPU writes a step's new codes over the codes they come from.
 
 :func:`map_quantize` and :func:`map_dequantize` code a whole array; the
 blockwise :func:`map_scales`, :func:`map_encode` and :func:`map_decode` are
@@ -182,17 +186,11 @@ def _sorted_entries(code: str) -> tuple[np.ndarray, Callable[[np.ndarray], np.nd
 
 
 @functools.cache
-def _bucket_lookup(code: str) -> _BucketLookup:
-  """The widest buckets of ordered keys that each hold at most one code change.
+def _thresholds(code: str) -> np.ndarray:
+  """Ordered keys (int64) of the code changes of ``code``: entry ``c`` is the key of the
+  smallest float32 whose code (per :func:`_sorted_entries`' rounding) exceeds ``c``.
 
-  ``thresholds[c]``, the key of the smallest float32 whose code (per
-  :func:`_sorted_entries`' rounding) exceeds ``c``, is found by bisection
-  between entries ``c`` and ``c + 1`` (codes grow with the value). A bucket
-  is the keys sharing their top ``32 - shift`` bits; ``shift`` is the
-  largest under which no bucket holds two thresholds, at most 23 so that
-  an offset in a bucket plus ``2**24`` cannot carry twice. A bucket without a
-  threshold gets the offset ``2**shift``, which no key reaches; NaN keys
-  (beyond infinity) get code 0.
+  Found by bisection between entries ``c`` and ``c + 1`` (codes grow with the value).
   """
   table, rounding = _sorted_entries(code)
   low, high = (_ordered_key(t.view(np.uint32)).astype(np.int64) for t in (table[:-1], table[1:]))
@@ -201,7 +199,21 @@ def _bucket_lookup(code: str) -> _BucketLookup:
     middle = (low + high) // 2
     above = rounding(_key_value(middle)) > codes
     high, low = np.where(above, middle, high), np.where(above, low, middle)
-  thresholds = np.append(high, 2**32)  # No code change above the last code.
+  return high
+
+
+@functools.cache
+def _bucket_lookup(code: str) -> _BucketLookup:
+  """The widest buckets of ordered keys that each hold at most one code change.
+
+  A bucket is the keys sharing their top ``32 - shift`` bits; ``shift`` is
+  the largest under which no bucket holds two thresholds
+  (:func:`_thresholds`), at most 23 so that an offset in a bucket plus
+  ``2**24`` cannot carry twice. A bucket without a threshold gets the offset
+  ``2**shift``, which no key reaches; NaN keys (beyond infinity) get code 0.
+  """
+  table, _ = _sorted_entries(code)
+  thresholds = np.append(_thresholds(code), 2**32)  # No code change above the last code.
   for shift in range(23, -1, -1):
     starts = np.arange(2 ** (32 - shift), dtype=np.int64) << shift
     first = np.minimum(np.searchsorted(thresholds, starts, side="right"), table.size - 1)
@@ -238,6 +250,183 @@ def nearest_map_code(values: jax.Array, code: str) -> jax.Array:
   entry = jnp.asarray(lookup.entries)[(keys >> lookup.shift).astype(jnp.int32)]
   offset = keys & jnp.uint32((1 << lookup.shift) - 1)
   return ((entry + offset) >> 24).astype(jnp.int32)
+
+
+# -- decoding and encoding from each element alone (every platform but XLA:CPU) --
+#
+# A table read is a gather, which XLA:GPU does not count as elementwise: a
+# step whose new codes depend on a gather of the old ones writes them to a
+# new buffer and copies them over the old (2 bytes per element and moment).
+# Computed from each element alone, they are written in place.
+
+# Maps of at most this many entries are read by selects and encoded by comparisons.
+SELECT_MAP_SIZE = 16
+# The 256-entry dynamic maps (7 decades), read by their formula.
+_DECADES = 7
+
+
+def _select(index: jax.Array, table: Any) -> jax.Array:
+  """``table[index]`` by a balanced tree of ``len(table) - 1`` selects on ``index``'s bits."""
+  level, bit = list(table), 0
+  while len(level) > 1:
+    odd = (index >> bit) & 1 == 1
+    level, bit = [jnp.where(odd, b, a) for a, b in zip(level[::2], level[1::2])], bit + 1
+  return level[0]
+
+
+class _DynamicLayout(NamedTuple):
+  """A 256-entry dynamic map as a formula (:func:`_dynamic_layout`)."""
+
+  signed: bool
+  base: int  # Entries of the first decade.
+  # The code of the entry 0; magnitude k >= 0 has code zero_code + 1 + k (and, signed, zero_code - 1 - k).
+  zero_code: int
+  scales: np.ndarray  # float32 [8]: decade i's entry j is scales[i] * (2 n_i + 18 j + 9), n_i = base 2**i.
+  starts: np.ndarray  # float32 [_DECADES - 1]: 10**(t - 7), where decade t >= 1 begins.
+  slopes: np.ndarray  # float32 [8]: a magnitude's position k in decade i, about slopes[i] a + intercepts[i].
+  intercepts: np.ndarray  # float32 [8].
+  corrections: np.ndarray  # uint32 [3, words]: bit planes of 2 + (the entry's bits - the formula's).
+
+
+@functools.cache
+def _dynamic_layout(code: str) -> _DynamicLayout:
+  r"""The formula of a 256-entry dynamic map, and its corrections to the shipped table.
+
+  Decade ``i`` of the map's magnitudes holds ``n_i`` entries (``2**i``
+  signed, ``2**(i + 1)`` unsigned), the midpoints of ``n_i + 1`` points
+  spaced evenly over ``10^{i-7} [1, 10]`` (:func:`dynamic_map`): entry ``j``
+  is :math:`10^{i-7} (2 n_i + 18 j + 9) / (2 n_i)`, one float32
+  multiplication of a scale by an exact integer. torch's float32 arithmetic
+  differs from it by at most 2 float32 steps, added back from three bit
+  planes of 32-bit words.
+  """
+  table = CODE_MAPS[code]
+  signed = bool(table[0] < 0)
+  base, zero_code = (1, 127) if signed else (2, 0)
+  decades = np.arange(_DECADES)
+  n = base << decades
+  padded = lambda x: np.pad(np.asarray(x, np.float32), (0, 8 - _DECADES))
+  scales = padded(10.0 ** (decades - _DECADES) / (2 * n))
+  slopes = padded(1 / (18 * scales[:_DECADES].astype(np.float64)))
+  intercepts = padded(n - base - (2 * n + 9) / 18)
+  starts = (10.0 ** (decades[1:] - _DECADES)).astype(np.float32)
+  magnitudes = table[zero_code + 1 : table.size - 1]
+  k = np.arange(magnitudes.size)
+  decade, count = _dynamic_decade(k + base, base, np)
+  formula = scales[decade] * _dynamic_multiple(k + base, count).astype(np.float32)
+  difference = magnitudes.view(np.int32).astype(np.int64) - formula.view(np.int32).astype(np.int64) + 2
+  assert np.all((difference >= 0) & (difference < 8)), code
+  words = np.zeros((3, -(-magnitudes.size // 32)), np.uint64)
+  for plane in range(3):
+    np.add.at(words[plane], k >> 5, ((difference >> plane) & 1).astype(np.uint64) << (k & 31).astype(np.uint64))
+  return _DynamicLayout(signed, base, zero_code, scales, starts, slopes, intercepts, words.astype(np.uint32))
+
+
+def _dynamic_decade(m: Any, base: int, xp: Any) -> tuple[Any, Any]:
+  """The decade of magnitude ``k = m - base`` and its entries ``n``."""
+  decade = sum((m >= (base << t)).astype(xp.int32) for t in range(1, _DECADES))
+  return decade, base << decade
+
+
+def _dynamic_multiple(m: Any, count: Any) -> Any:
+  """``2 n + 18 j + 9`` for magnitude ``k = m - base``, ``j = m - n`` its place in its decade."""
+  return 18 * m - 16 * count + 9
+
+
+def _dynamic_entries(codes: jax.Array, code: str) -> jax.Array:
+  layout = _dynamic_layout(code)
+  c = codes.astype(jnp.int32)
+  n_magnitudes = CODE_MAPS[code].size - 2 - layout.zero_code
+  k = jnp.abs(c - layout.zero_code) - 1 if layout.signed else c - 1
+  k = jnp.clip(k, 0, n_magnitudes - 1)  # The codes of 0 and 1 are selected last.
+  decade, count = _dynamic_decade(k + layout.base, layout.base, jnp)
+  formula = _select(decade, layout.scales) * _dynamic_multiple(k + layout.base, count).astype(jnp.float32)
+  shift = (k & 31).astype(jnp.uint32)
+  difference = sum(
+      ((_select(k >> 5, words) >> shift) & 1).astype(jnp.int32) << plane
+      for plane, words in enumerate(layout.corrections)
+  )
+  entry = lax.bitcast_convert_type(lax.bitcast_convert_type(formula, jnp.int32) + difference - 2, jnp.float32)
+  if layout.signed:
+    entry = jnp.where(c < layout.zero_code, -entry, entry)
+  entry = jnp.where(c == layout.zero_code, np.float32(0), entry)
+  return jnp.where(c == CODE_MAPS[code].size - 1, np.float32(1), entry)
+
+
+def _dynamic_nearest(values: jax.Array, code: str) -> jax.Array:
+  """The reference's code of ``values`` from a guess ``c0`` that is the code of the last
+  entry at or below it, or the one above; then its rounding between two entries."""
+  layout = _dynamic_layout(code)
+  table = CODE_MAPS[code]
+  last = table.size - 1
+  x = jnp.clip(values, table[0], table[-1])
+  magnitude = jnp.abs(x)
+  decade = sum((magnitude >= start).astype(jnp.int32) for start in layout.starts)
+  # The position among the magnitudes, off by far less than 1/2 within a
+  # decade; between decades, between the neighbouring entries' positions.
+  position = 1 + magnitude * _select(decade, layout.slopes) + _select(decade, layout.intercepts)
+  guess = layout.zero_code + (jnp.sign(x) * position if layout.signed else position)
+  c0 = jnp.clip(jnp.floor(guess + 0.5), 0, last).astype(jnp.int32)
+  entry = _dynamic_entries(c0, code)
+  at_or_above = x >= entry
+  other = _dynamic_entries(jnp.where(at_or_above, jnp.minimum(c0 + 1, last), c0 - 1), code)
+  below, above = jnp.where(at_or_above, entry, other), jnp.where(at_or_above, other, entry)
+  below_code = jnp.where(at_or_above, c0, c0 - 1)
+  up = jnp.minimum(below_code + 1, last)
+  nearest = jnp.where(x - below >= (above - below) * np.float32(0.5), up, below_code)
+  return jnp.where(jnp.isnan(values), 0, nearest)
+
+
+def map_entries_elementwise(codes: jax.Array, code: str) -> jax.Array:
+  """``CODE_MAPS[code][codes]`` as float32, bit for bit, computed from each code alone.
+
+  A map of at most :data:`SELECT_MAP_SIZE` entries by a tree of ``size - 1``
+  selects between its entries; a 256-entry dynamic map by its formula, one
+  float32 multiplication, corrected to the shipped table's bits
+  (:func:`_dynamic_layout`). No table read (see above for why).
+  """
+  _check_code(code)
+  if code == FLOAT8_CODE:
+    raise ValueError("code must name a map; float8 codes are converted.")
+  if CODE_MAPS[code].size <= SELECT_MAP_SIZE:
+    return _select(codes.astype(jnp.int32), CODE_MAPS[code])
+  return _dynamic_entries(codes, code)
+
+
+@functools.cache
+def _change_values(code: str) -> np.ndarray:
+  """The smallest float32 of each code above the first (:func:`_thresholds`), none of them a zero."""
+  values = _key_value(_thresholds(code))
+  # A comparison with a zero would not tell -0 from +0, which the keys order.
+  assert np.all(values != 0), code
+  return values
+
+
+def nearest_map_code_elementwise(values: jax.Array, code: str) -> jax.Array:
+  """:func:`nearest_map_code`, computed from each value alone. Returns int32 codes.
+
+  A map of at most :data:`SELECT_MAP_SIZE` entries: the number of code
+  changes at or below the value, each the smallest float32 of its code
+  (:func:`_thresholds`), by ``size - 1`` comparisons. A 256-entry dynamic
+  map: the last entry at or below the value from a guess by the map's
+  formula, checked against two entries computed by it
+  (:func:`map_entries_elementwise`), then the reference's rounding between
+  them. NaN gets code 0.
+  """
+  _check_code(code)
+  if code == FLOAT8_CODE:
+    raise ValueError("code must name a map; float8 codes are converted.")
+  if CODE_MAPS[code].size > SELECT_MAP_SIZE:
+    return _dynamic_nearest(values, code)
+  return sum((values >= change).astype(jnp.int32) for change in _change_values(code))
+
+
+def _elementwise_off_cpu(x: jax.Array, code: str, by_table: Callable, elementwise: Callable) -> jax.Array:
+  """``by_table(x, code)`` on XLA:CPU, which reads tables faster than it computes
+  the formulas and writes in place either way; ``elementwise(x, code)`` elsewhere."""
+  return lax.platform_dependent(
+      x, cpu=functools.partial(by_table, code=code), default=functools.partial(elementwise, code=code)
+  )
 
 
 def _divide(x: jax.Array, divisor: Any) -> jax.Array:
@@ -298,7 +487,10 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
   float8 codes are the float8 conversion of the ratios (round to nearest
   even), which never exceed 448 under a block's scale; beyond it they
   saturate at +-448 where the conversion gives NaN. Elementwise, so the
-  codes keep the layout (and sharding) of ``values``.
+  codes keep the layout (and sharding) of ``values``; outside XLA:CPU, map
+  codes are computed from each value alone
+  (:func:`nearest_map_code_elementwise`), so that a GPU program writes them
+  over the codes they come from.
   """
   ratios = _divide(values, scales)
   if code == FLOAT8_CODE:
@@ -306,14 +498,25 @@ def map_encode(values: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
     sign = (lax.bitcast_convert_type(values, jnp.uint32) >> 31).astype(jnp.int32) << 7
     codes = (_float8_magnitude_code(jnp.abs(ratios)) | sign).astype(jnp.uint8)
     return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
-  return nearest_map_code(ratios, code).astype(jnp.uint8)
+  return _elementwise_off_cpu(ratios, code, nearest_map_code, nearest_map_code_elementwise).astype(jnp.uint8)
 
 
-def map_decode(codes: jax.Array, scales: jax.Array, *, code: str) -> jax.Array:
-  """``map[codes] * scales``, float32; float8 codes converted (:func:`_float8_values`)."""
+def map_decode(codes: jax.Array, scales: jax.Array, *, code: str, elementwise: bool = False) -> jax.Array:
+  """``map[codes] * scales``, float32; float8 codes converted (:func:`_float8_values`).
+
+  ``elementwise``: outside XLA:CPU, the entries computed from each code alone
+  (:func:`map_entries_elementwise`), for a program that writes new codes
+  over the ones it decodes; else read from the map (cheaper).
+  """
   if code == FLOAT8_CODE:
     return _float8_values(codes) * scales
-  return jnp.asarray(CODE_MAPS[code])[codes.astype(jnp.int32)] * scales
+  if not elementwise:
+    return _entries_by_table(codes, code) * scales
+  return _elementwise_off_cpu(codes, code, _entries_by_table, map_entries_elementwise) * scales
+
+
+def _entries_by_table(codes: jax.Array, code: str) -> jax.Array:
+  return jnp.asarray(CODE_MAPS[code])[codes.astype(jnp.int32)]
 
 
 def _map_blocks(x: jax.Array, block_size: int) -> jax.Array:

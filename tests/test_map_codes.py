@@ -111,6 +111,11 @@ def test_nearest_map_code_is_the_references_rounding_at_every_code_change(code, 
   np.testing.assert_array_equal(jax.jit(map_codes.nearest_map_code, static_argnums=1)(x, code), expected)
   np.testing.assert_array_equal(jax.jit(map_codes.nearest_map_code_reference)(x, table), expected)
   np.testing.assert_array_equal(map_codes.nearest_map_code_reference(x, table), expected)  # In numpy.
+  # The GPU's path, also across the dynamic maps' decades, where its guess changes formula.
+  decades = float32_neighbourhood(10.0 ** np.arange(-7, 1), 64)
+  x = np.concatenate([x, decades, -decades])
+  elementwise = jax.jit(map_codes.nearest_map_code_elementwise, static_argnums=1)
+  np.testing.assert_array_equal(elementwise(x, code), numpy_nearest_code(x, table))
 
 
 def test_float8_encode_is_the_float8_conversion_at_every_rounding_change(seed):
@@ -184,6 +189,29 @@ def test_map_codes_of_every_entry_decode_to_the_entry(code):
   x = np.concatenate([table, [1.0]]).astype(np.float32)
   q = map_codes.map_quantize(x, code=code, block_size=x.size)
   np.testing.assert_array_equal(map_codes.map_dequantize(q, size=x.size, code=code, block_size=x.size), x)
+
+
+@pytest.mark.parametrize("code", list(map_codes.CODE_MAPS))
+def test_elementwise_entries_are_the_table_for_every_code(code):
+  """The GPU's decoding (selects, or a dynamic map's formula): every code's entry, bit for bit."""
+  table = map_codes.CODE_MAPS[code]
+  codes = jnp.arange(table.size, dtype=jnp.uint8).reshape(2, -1)
+  entries = jax.jit(map_codes.map_entries_elementwise, static_argnums=1)(codes, code)
+  np.testing.assert_array_equal(np.asarray(entries).reshape(-1).view(np.uint32), table.view(np.uint32))
+
+
+@pytest.mark.parametrize("code", list(map_codes.CODE_MAPS))
+def test_maps_are_decoded_and_encoded_without_table_reads_on_a_gpu(code):
+  """Elementwise on CUDA, so XLA:GPU writes new codes over the old; table reads on the CPU, where they are faster."""
+  from pallas_kernels import _backend
+
+  def round_trip(codes, scales):
+    values = map_codes.map_decode(codes, scales, code=code, elementwise=True) * 0.5
+    return map_codes.map_encode(values, scales, code=code)
+
+  args = (jnp.zeros((4, 128), jnp.uint8), jnp.ones((4, 1), jnp.float32))
+  assert "gather" not in _backend.lower_for_cuda(round_trip, *args)
+  assert "gather" in jax.jit(round_trip).lower(*args).as_text()
 
 
 def test_float8_codes_decode_as_their_float8_value_for_every_bit_pattern(seed):
