@@ -157,7 +157,7 @@ class ScaleByTacoState(NamedTuple):
   ``slots = min(k, n_out)`` for one segment). The segment axis lets the state
   shard with its parameter's output axis (``optax_memopt.state_shardings``).
 
-  ``index``, ``momentum`` and ``scale`` are trees like the parameters, with
+  ``indices``, ``momentum`` and ``scales`` are trees like the parameters, with
   exactly one array per parameter (the layout Flax NNX's ``nnx.Optimizer``
   keeps intact under ``nnx.jit``); with ``k = 0`` those arrays are empty
   (``slots = 0``), of the shapes below.
@@ -167,17 +167,17 @@ class ScaleByTacoState(NamedTuple):
   # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.int16 (int32 above
   # static_args.INT16_INDEX_LIMIT outputs): the tracked output indices,
   # distinct within a row.
-  index: optax.Updates
-  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: momentum / scale.
+  indices: optax.Updates
+  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: momentum / scales.
   momentum: optax.Updates
   # shape=(*batch_shape, n_in, min(parts * slots, 1)), dtype=jnp.bfloat16: a power of two.
-  scale: optax.Updates
+  scales: optax.Updates
 
   field_layouts = {
       "count": sharding.Layout.REPLICATED,
-      "index": sharding.Layout.BLOCKS,
+      "indices": sharding.Layout.BLOCKS,
       "momentum": sharding.Layout.BLOCKS,
-      "scale": sharding.Layout.ROWS,
+      "scales": sharding.Layout.ROWS,
   }
 
 
@@ -350,9 +350,9 @@ def scale_by_taco(
     with_path = jax.tree_util.tree_map_with_path
     return ScaleByTacoState(
         count=jnp.zeros([], jnp.int32),
-        index=with_path(first_columns, params),
+        indices=with_path(first_columns, params),
         momentum=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
-        scale=with_path(unit_scale, params),
+        scales=with_path(unit_scale, params),
     )
 
   def update_leaf(path, grad, index, codes, scale):
@@ -405,11 +405,11 @@ def scale_by_taco(
   def update_fn(updates, state, params=None):
     del params
     steps = jax.tree_util.tree_map_with_path(
-        update_leaf, updates, state.index, state.momentum, state.scale
+        update_leaf, updates, state.indices, state.momentum, state.scales
     )
-    directions, index, momentum, scale = leaves.unzip(updates, steps, 4)
+    directions, indices, momentum, scales = leaves.unzip(updates, steps, 4)
     return directions, ScaleByTacoState(
-        count=optax.safe_increment(state.count), index=index, momentum=momentum, scale=scale
+        count=optax.safe_increment(state.count), indices=indices, momentum=momentum, scales=scales
     )
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))

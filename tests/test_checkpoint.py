@@ -10,6 +10,8 @@ layout is checked on 8 devices by ``tests/test_sharding.py``.
 
 from __future__ import annotations
 
+import pathlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+import optax_memopt
+from optax_memopt import checkpoint
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import (
     build,
@@ -93,3 +97,30 @@ def test_resumed_run_equals_uninterrupted_run(name, dtype, seed, tmp_path):
   assert bitwise(resumed_params) == bitwise(expected_params), f"seed {seed}"
   assert bitwise(resumed_state) == bitwise(expected_state), f"seed {seed}"
   chex.assert_trees_all_equal(resumed_state, expected_state)
+
+
+SAVED_BY_0_1_0 = pathlib.Path(__file__).parent / "data" / "checkpoints" / "taco_0.1.0"
+
+
+def taco_three_steps():
+  """The run whose state release 0.1.0 saved into ``SAVED_BY_0_1_0`` (TACO's fields then: index, scale)."""
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 24)), "b": jnp.zeros((24,))}
+  optimizer = optax_memopt.taco(1e-2, k=4)
+  state = optimizer.init(params)
+  for step in range(3):
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(step + 1), p.shape), params)
+    updates, state = optimizer.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_a_checkpoint_saved_before_a_field_was_renamed_restores():
+  assert SAVED_BY_0_1_0.exists(), f"checkpoint missing: {SAVED_BY_0_1_0}"
+  params, state = taco_three_steps()
+  target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
+  with pytest.raises(ValueError, match="not found"):
+    ocp.StandardCheckpointer().restore(SAVED_BY_0_1_0, target)
+  saved = ocp.StandardCheckpointer().restore(SAVED_BY_0_1_0, checkpoint.target_with_saved_names(target))
+  restored = checkpoint.rename_restored(saved, target)
+  assert jax.tree.structure(restored) == jax.tree.structure(target)
+  assert bitwise(restored) == bitwise({"params": params, "opt_state": state})
