@@ -11,8 +11,9 @@ Two tasks, on the demo Transformer at two sizes (``SIZES``):
    default rate.
 
 Each optimizer's peak rates are its default times powers of 3. The sweep
-starts at x1/3, x1 and x3 and, while the lowest mean validation loss sits at
-an edge of the rates tried, adds the next rate on that side, up to
+starts at three of them (``Task.start``) and, while the lowest mean
+validation loss sits at an edge of the rates tried, adds the next rate on
+that side, up to
 ``MAX_EXPONENT`` powers of 3 from the default: an optimizer is judged at its
 own best rate, not at one that happened to suit another. Every rate runs every
 seed of its task (initialisation and batches; batches only when
@@ -72,10 +73,13 @@ class Task:
   steps: int
   seeds: tuple[int, ...]
   lr_scale: float  # The rates are lr_scale * default * 3**exponent.
+  start: tuple[int, ...]  # The exponents every sweep runs first.
   optimizers: tuple[str, ...] | None = None  # None: every one.
 
 
-# The larger model runs only the optimizers whose fine-tuning gap is in
+# Fine-tuning starts at 0.3x the default rate times 3, 9 and 27 and pre-training
+# at the default times 1, 3 and 9: where the best rates of the previous,
+# three-rate benchmark were, at or past its top. The larger model runs only the optimizers whose fine-tuning gap is in
 # question (and the remedies), 100 steps and three seeds, and is not
 # pre-trained: a step costs it 30-60 times the small model's, and the whole
 # protocol has to fit in three hours on 2 CPU cores (``--estimate``).
@@ -83,16 +87,16 @@ LARGE_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_8bit_vocab_fp32", "adamw_fp8",
                     "microadam_5pct", "taco", "taco_one_segment")
 PROTOCOL = {
     "small": {
-        "finetune": Task(FINETUNE_CORPUS, steps=300, seeds=(0, 1, 2, 3, 4), lr_scale=0.3),
-        "pretrain": Task(PRETRAIN_CORPUS, steps=1000, seeds=(0,), lr_scale=1.0),
+        "finetune": Task(FINETUNE_CORPUS, steps=300, seeds=(0, 1, 2, 3, 4), lr_scale=0.3, start=(1, 2, 3)),
+        "pretrain": Task(PRETRAIN_CORPUS, steps=1000, seeds=(0,), lr_scale=1.0, start=(0, 1, 2)),
     },
     "large": {
-        "finetune": Task(FINETUNE_CORPUS, steps=100, seeds=(0, 1, 2), lr_scale=0.3, optimizers=LARGE_OPTIMIZERS),
+        "finetune": Task(FINETUNE_CORPUS, steps=100, seeds=(0, 1, 2), lr_scale=0.3, start=(1, 2, 3),
+                         optimizers=LARGE_OPTIMIZERS),
     },
 }
 # AdamW's pre-training run whose weights every fine-tuning run starts from.
 BASE_PRETRAIN_STEPS = {"small": 1000, "large": 500}
-START_EXPONENTS = (-1, 0, 1)
 MAX_EXPONENT = 4  # The grid stops at x81 and x1/81 of the default.
 LOSSES_EVERY = 10  # A run keeps the mean training loss of every 10 steps, for the plots.
 
@@ -132,7 +136,7 @@ def mean_validation(runs: list[dict]) -> float:
   return float(np.mean([validation(r) for r in runs]))
 
 
-def next_exponent(means: dict[int, float], *, start=START_EXPONENTS, limit: int = MAX_EXPONENT) -> int | None:
+def next_exponent(means: dict[int, float], *, start, limit: int = MAX_EXPONENT) -> int | None:
   """The next rate a sweep runs, or None when its best mean lies inside the rates tried (or at the limit).
 
   Args:
@@ -172,7 +176,7 @@ class Row:
   diverged_at_step: int | None
 
 
-def summarize(runs: list[dict], seeds, *, limit: int = MAX_EXPONENT) -> Row | None:
+def summarize(runs: list[dict], seeds, *, start, limit: int = MAX_EXPONENT) -> Row | None:
   """The row of one optimizer's sweep; None before any rate has run all its seeds."""
   rates = complete_rates(runs, seeds)
   if not rates:
@@ -193,7 +197,7 @@ def summarize(runs: list[dict], seeds, *, limit: int = MAX_EXPONENT) -> Row | No
                                       for r in best_runs])),
       means=means,
       at_edge=best in (min(means), max(means)),
-      finished=next_exponent(means, limit=limit) is None,
+      finished=next_exponent(means, start=start, limit=limit) is None,
       state_bytes_per_param=best_runs[0]["state_bytes"] / best_runs[0]["n_params"],
       state_bytes=best_runs[0]["state_bytes"],
       adamw_state_bytes=best_runs[0]["adamw_state_bytes"],
@@ -234,7 +238,7 @@ def seeds_of(results: dict, size: str, task: str) -> tuple[int, ...]:
 
 def row_of(results: dict, size: str, task: str, name: str) -> Row | None:
   return summarize(runs_of(results, size, task, name), seeds_of(results, size, task),
-                   limit=results["protocol"]["max_exponent"])
+                   start=results["protocol"]["sizes"][size][task]["start"], limit=results["protocol"]["max_exponent"])
 
 
 def rows_of(results: dict, size: str, task: str) -> list[Row]:
@@ -303,7 +307,7 @@ def render(results: dict, optimizer_names=NAMES) -> str:
 def quality_cell(results: dict, optimizer: str, size: str = "small") -> str:
   """README's "fine-tuning: validation loss vs AdamW" cell for ``optimizer``, from the results."""
   rows = {r.optimizer: r for r in rows_of(results, size, "finetune")} if runs_of(results, size, "finetune") else {}
-  if optimizer not in rows or BASE_OPTIMIZER not in rows or not rows[optimizer].finished:
+  if any(name not in rows or not rows[name].finished for name in (optimizer, BASE_OPTIMIZER)):
     return "not measured yet"
   row = rows[optimizer]
   if optimizer == BASE_OPTIMIZER:
@@ -424,7 +428,8 @@ def pending(results: dict, name: str, size: str, task: str) -> list[tuple[int, i
   done = {(r["exponent"], r["seed"]) for r in runs}
   partial = sorted({r["exponent"] for r in runs} - set(complete_rates(runs, seeds)))
   means = {e: mean_validation(rs) for e, rs in complete_rates(runs, seeds).items()}
-  exponent = partial[0] if partial else next_exponent(means, limit=results["protocol"]["max_exponent"])
+  exponent = partial[0] if partial else next_exponent(
+      means, start=results["protocol"]["sizes"][size][task]["start"], limit=results["protocol"]["max_exponent"])
   return [] if exponent is None else [(exponent, s) for s in seeds if (exponent, s) not in done]
 
 

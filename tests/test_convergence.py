@@ -27,7 +27,8 @@ def fake_run(optimizer, exponent, seed, loss, *, task="finetune", seconds=10.0):
 
 def fake_results(runs, *, max_exponent=2):
   return {
-      "protocol": {"sizes": {"small": {"finetune": {"seeds": list(SEEDS), "steps": 30, "optimizers": None}}},
+      "protocol": {"sizes": {"small": {"finetune": {"seeds": list(SEEDS), "steps": 30, "start": [-1, 0, 1],
+                                                 "optimizers": None}}},
                    "n_params": {"small": 100}, "max_exponent": max_exponent},
       "bases": {"small": {"validation_loss_before": 2.5}},
       "runs": runs,
@@ -58,7 +59,7 @@ def test_standard_error_is_the_sample_deviation_over_root_n():
     ({-1: math.inf, 0: math.inf, 1: math.inf}, -2),  # All diverged: smaller rates.
 ])
 def test_a_sweep_adds_the_next_rate_beyond_an_edge_best_until_the_limit(means, expected):
-  assert convergence.next_exponent(means, limit=2) == expected
+  assert convergence.next_exponent(means, start=(-1, 0, 1), limit=2) == expected
 
 
 def test_a_row_is_the_best_complete_rate_with_its_standard_error_and_gap():
@@ -95,6 +96,16 @@ def test_render_gives_means_standard_errors_gaps_and_what_is_missing():
       "",
       "![finetune, small](figures/convergence_finetune_small.png)",
   ])
+
+
+def test_the_readmes_quality_cell_waits_for_both_sweeps():
+  finished_adamw = sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9})
+  other = sweep("other", {-1: 2.1, 0: 2.0, 1: 2.05}, offsets=(0.0, 0.02, -0.01))
+  assert convergence.quality_cell(fake_results(finished_adamw + other), "other") == "+0.203 ± 0.003"
+  assert convergence.quality_cell(fake_results(finished_adamw + other), "adamw") == "+0.000 (loss 1.800)"
+  assert convergence.quality_cell(fake_results(finished_adamw + other[:6]), "other") == "not measured yet"
+  assert convergence.quality_cell(fake_results(finished_adamw[3:] + other), "other") == "not measured yet"
+  assert convergence.quality_cell(fake_results(finished_adamw), "third") == "not measured yet"
 
 
 def test_pending_finishes_a_rate_before_deciding_the_next():
