@@ -27,11 +27,11 @@ stage() {  # stage SECONDS NAME COMMAND...: run COMMAND, log to $out/NAME.txt
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" || { echo "== $name FAILED (rc $?)"; status=1; }
 }
 stage 130 step_time python -m benchmarks.step_time --models 40M 300M \
-  --optimizers adamw adam_mini microadam ternary_adam taco --repeats 20 --out "$out"
+  --optimizers adamw adam_mini microadam ternary_adam taco --repeats 20 --json "$out/step_time.json"
 # The low-bit AdamW family against AdamW (the GPU target: 0.8x optax.adamw
 # or less at 300M).
 stage 120 lowbit_step_time python -m benchmarks.step_time --models 300M \
-  --optimizers adamw adamw_8bit adamw_4bit adamw_fp8 --repeats 20 --out "$out/lowbit"
+  --optimizers adamw adamw_8bit adamw_4bit adamw_fp8 --repeats 20 --json "$out/lowbit/step_time.json"
 stage 60 kernels python -m benchmarks.kernels --size $((32 * 1024 * 1024)) --repeats 20 --out "$out"
 stage 70 implementations python -m benchmarks.implementations --model 40M --steps 3 --out "$out"
 stage 40 check_lowering python -m pallas_kernels.check_lowering

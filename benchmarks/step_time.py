@@ -10,18 +10,24 @@ step time and the median over rounds of its ratio to the same round's
 ``memory_analysis``) shows any transient dense buffer an optimizer needs
 beyond its state. With ``--implementations xla pallas`` (on
 a GPU) the methods with kernels are timed once per implementation, against
-the same adamw baseline. Prints a markdown table and writes
-``results/step_time.json``.
+the same adamw baseline. Writes the rows with the machine and the command to
+``--json`` (``results/step_time.json``; benchmarks/README.md's table is
+``--render`` of the committed ``benchmarks/data/step_time.json``).
 
-    python -m benchmarks.step_time
+    python -m benchmarks.step_time --models 10M 40M --repeats 10 --json benchmarks/data/step_time.json
+    python -m benchmarks.step_time --render benchmarks/data/step_time.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import pathlib
+import shlex
 import statistics
+import sys
 import time
 
 import jax
@@ -74,6 +80,30 @@ class Timed:
     self.seconds.append(time.perf_counter() - start)
 
 
+HEADER = (
+    "| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def table_row(row: dict) -> str:
+  return (
+      f"| {row['model']} | {row['n_params']:,} | {row['optimizer']} | {row['implementation']} |"
+      f" {row['ms_per_step']:.1f} | {row['ratio_to_adamw']:.2f}x | {row['temp_bytes'] / 2**20:.1f} |"
+  )
+
+
+def render(results: dict) -> str:
+  """The markdown table of a results file: where and how it was measured, then a row per step."""
+  lines = [
+      f"`{results['command']}` ({results['machine']}, {results['date']}; JAX {results['jax']}).",
+      "",
+      HEADER,
+      *(table_row(row) for row in results["rows"]),
+  ]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["10M", "40M"], choices=sorted(shapes.MODELS))
@@ -81,15 +111,23 @@ def main(argv=None) -> None:
   parser.add_argument("--implementations", nargs="+", default=["auto"], choices=["auto", "xla", "pallas"],
                       help="kernel paths to time; auto: Pallas on a Hopper-or-newer GPU, XLA elsewhere")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("results/step_time.json"),
+                      help="where the results go (the committed ones: benchmarks/data/step_time.json)")
+  parser.add_argument("--machine", default=f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores",
+                      help="how the results file names the machine measured")
+  parser.add_argument("--render", type=pathlib.Path, help="print the table of a results file and exit")
   args = parser.parse_args(argv)
+  if args.render:
+    print(render(json.loads(args.render.read_text())))
+    return
+  if args.repeats < 1:
+    parser.error("--repeats must be >= 1")
   names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
   implementations = [None if i == "auto" else i for i in args.implementations]
 
   rows = []
   print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
-  print("| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |")
-  print("|---|---|---|---|---|---|---|")
+  print(HEADER)
   for model in args.models:
     params = shapes.params(model)
     grads = shapes.gradients(params)
@@ -117,11 +155,17 @@ def main(argv=None) -> None:
              "ms_per_step": 1e3 * statistics.median(entry.seconds), "ratio_to_adamw": ratio,
              "temp_bytes": entry.temp_bytes}
       rows.append(row)
-      print(f"| {model} | {row['n_params']:,} | {name} | {path} | {row['ms_per_step']:.1f} |"
-            f" {ratio:.2f}x | {entry.temp_bytes / 2**20:.1f} |", flush=True)
+      print(table_row(row), flush=True)
     del timed
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "step_time.json").write_text(json.dumps(rows, indent=1))
+  results = {
+      "command": "python -m benchmarks.step_time " + shlex.join(argv if argv is not None else sys.argv[1:]),
+      "machine": args.machine,
+      "date": datetime.date.today().isoformat(),
+      "jax": jax.__version__,
+      "rows": rows,
+  }
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  args.json.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -64,3 +64,10 @@ def test_the_readme_quotes_no_step_time_outside_its_table():
   prose = re.sub(r"```.*?```", "", readme, flags=re.S).replace(
       readme.split("## Choosing an optimizer")[1].split("\n\n")[1], "")
   assert not re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:ms|x\b|minutes|seconds)", prose)
+
+
+def test_the_cpu_step_time_table_is_rendered_from_the_results():
+  from benchmarks import step_time
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "step_time.json").read_text())
+  assert step_time.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
