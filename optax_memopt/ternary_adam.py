@@ -281,7 +281,11 @@ def scale_by_ternary_adam(
     bias_correction_2 = 1 - b2_ ** count.astype(jnp.float32)
     # One draw gives every tensor's rounding seed for this step.
     treedef = jax.tree.structure(updates)
-    seeds = treedef.unflatten(list(jax.random.bits(step_key, (treedef.num_leaves,), jnp.uint32)))
+    # Each seed a scalar of its own (the barrier), not a slice of the draw: one
+    # array read by every tensor's step would let XLA:GPU's sibling fusion
+    # merge their passes (pallas_kernels.ternary_adam_update._own_zero).
+    draw = jax.random.bits(step_key, (treedef.num_leaves,), jnp.uint32)
+    seeds = treedef.unflatten(jax.lax.optimization_barrier(list(draw)))
 
     def update_leaf(grad, seed, packed, scales, mu, row, col, nu):
       _check_real(grad)

@@ -208,7 +208,7 @@ _MAX_TILED_PLACES = 65536
 
 
 def digits(byte: jax.Array, place: Any, base: int) -> jax.Array:
-  """Digit ``p`` in base ``base`` of uint8 bytes, given ``place = base**p``, as float32.
+  """Digit ``p`` in base ``base`` of uint8 bytes, given integers ``place = base**p``, as float32.
 
   By multiplies and shifts of uint32, which XLA:CPU vectorizes where it does
   not vectorize integer division: the quotient ``q = floor(byte / base**p)``
@@ -216,8 +216,9 @@ def digits(byte: jax.Array, place: Any, base: int) -> jax.Array:
   ``(q ceil(2**17 / base)) >> 17``, both exact for bytes below 256 (the
   tests check every byte and place).
   """
-  place = np.asarray(place, np.int64)
-  quotient = (byte.astype(jnp.uint32) * (-(-(2**16) // place)).astype(np.uint32)) >> 16
+  if not isinstance(place, jax.Array):
+    place = np.asarray(place, np.int64)
+  quotient = (byte.astype(jnp.uint32) * (-(-(2**16) // place)).astype(jnp.uint32)) >> 16
   whole = (quotient * np.uint32(-(-(2**17) // base))) >> 17
   return (quotient - whole * np.uint32(base)).astype(jnp.float32)
 

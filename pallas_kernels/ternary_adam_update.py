@@ -155,21 +155,35 @@ def block_statistics(grad_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   )
 
 
-def _element_indices(shape: tuple[int, ...], offset: int = 0) -> jax.Array:
-  """uint32 row-major index (plus ``offset``) of each element of an array of ``shape``.
+def _own_zero(seed: jax.Array) -> jax.Array:
+  """An int32 zero that XLA cannot tell from another tensor's (it comes from this tensor's seed).
+
+  Index vectors built from it are this tensor's own. Shared by several
+  tensors' steps (a constant, or one iota after common-subexpression
+  elimination), one would be an operand of all their code passes, and
+  XLA:GPU's sibling fusion merges passes that share an operand: it would
+  merge the code passes of different tensors into one, which splits each
+  from its direction (that then reads ``g`` and the codes again).
+  """
+  return jnp.minimum((seed >> 1).astype(jnp.int32), 0)
+
+
+def _element_indices(shape: tuple[int, ...], zero: jax.Array) -> jax.Array:
+  """uint32 row-major index of each element of an array of ``shape``, from ``_own_zero``'s ``zero``.
 
   A sum of per-axis iotas rather than a reshaped flat iota, so that the SPMD
   partitioner computes each device's indices in place.
   """
-  index = jnp.full(shape, offset, jnp.uint32)
+  index = jnp.full(shape, zero.astype(jnp.uint32))
   stride = 1
   for axis in reversed(range(len(shape))):
-    index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+    iota = lax.broadcasted_iota(jnp.int32, (shape[axis],), 0) + zero
+    index = index + lax.broadcast_in_dim(iota.astype(jnp.uint32), shape, (axis,)) * jnp.uint32(stride)
     stride *= shape[axis]
   return index
 
 
-def _stored_codes_on_gpu(packed: jax.Array, block_size: int, layout: Any) -> jax.Array:
+def _stored_codes_on_gpu(packed: jax.Array, zero: jax.Array, block_size: int, layout: Any) -> jax.Array:
   """``ternary.unpack_blocks`` by a gather of each element's byte.
 
   ``unpack_blocks`` concatenates the planes' bytes, which XLA:GPU writes out
@@ -177,8 +191,9 @@ def _stored_codes_on_gpu(packed: jax.Array, block_size: int, layout: Any) -> jax
   inside the fusions that use them.
   """
   width = packed.shape[-1]
-  byte = jnp.take(packed, np.arange(block_size) % width, axis=-1)
-  return ternary.digits(byte, layout.base ** (np.arange(block_size) // width), layout.base)
+  position = lax.iota(jnp.int32, block_size) + zero  # This tensor's own (_own_zero).
+  byte = jnp.take(packed, position % width, axis=-1)
+  return ternary.digits(byte, layout.base ** (position // width), layout.base)
 
 
 def _codes_written_out_on_gpu(codes: jax.Array) -> jax.Array:
@@ -223,7 +238,7 @@ def _step_xla(
   stored_codes = lax.platform_dependent(
       stored,
       cpu=lambda stored: ternary.unpack_blocks(stored, block_size, layout),
-      default=lambda stored: _stored_codes_on_gpu(stored, block_size, layout),
+      default=lambda stored: _stored_codes_on_gpu(stored, _own_zero(seed), block_size, layout),
   )
   m = b1 * ((stored_codes - 1) * scales) + (1 - b1) * grad_blocks
   nu_blocks = to_blocks(nu.astype(jnp.float32), blocks, block_size)
@@ -233,7 +248,7 @@ def _step_xla(
   else:
     root_of_nu_hat = nu_blocks * hyper[_INVERSE_ROOT_BIAS_CORRECTION_2]
   direction = (m / hyper[_BIAS_CORRECTION_1]) / (root_of_nu_hat + hyper[_EPS])
-  bits = ternary.counter_hash_bits(seed, _element_indices(m.shape))
+  bits = ternary.counter_hash_bits(seed, _element_indices(m.shape, _own_zero(seed)))
   codes = _codes_written_out_on_gpu(ternary.ternary_codes(m, new_scales, bits))
   new_stored = ternary.pack_blocks(codes, layout)
   new_nu = from_blocks(nu_blocks, nu.shape) if update_nu else None
