@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend, dispatch, packing
-from pallas_kernels import quantize as qz
+from pallas_kernels import _backend, dispatch, packing, quantize
 
 pytestmark = pytest.mark.kernels
 
@@ -113,19 +112,19 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
   size = x.size
   kwargs = dict(bits=bits, bucket_size=bucket_size)
 
-  reference = qz.quantize(x, stats_dtype=stats_dtype, implementation="xla", **kwargs)
-  kernel = qz.quantize(x, stats_dtype=stats_dtype, implementation="interpret", **kwargs)
+  reference = quantize.quantize(x, stats_dtype=stats_dtype, implementation="xla", **kwargs)
+  kernel = quantize.quantize(x, stats_dtype=stats_dtype, implementation="interpret", **kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes(kernel, reference)
   chex.assert_shape(reference.codes, (math.ceil(size * bits / 8),))
-  chex.assert_shape(reference.minimum, (qz.num_buckets(size, bucket_size),))
+  chex.assert_shape(reference.minimum, (quantize.num_buckets(size, bucket_size),))
   assert reference.minimum.dtype == jnp.dtype(stats_dtype), message
-  for field in qz.QuantizedArray._fields:
+  for field in quantize.QuantizedArray._fields:
     np.testing.assert_array_equal(getattr(kernel, field), getattr(reference, field), err_msg=f"{field} {message}")
 
   codes, minimum, maximum = numpy_quantize(x, bits, bucket_size, stats_dtype)
   # The module's plain reference states the same formula, unpacked.
   for actual, expected in zip(
-      qz.quantize_reference(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype),
+      quantize.quantize_reference(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype),
       (codes, minimum, maximum),
       strict=True,
   ):
@@ -135,25 +134,25 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
   expected_bytes = packing.pack(jnp.asarray(codes), base=2**bits, planes=8 // bits)
   np.testing.assert_array_equal(reference.codes, expected_bytes, err_msg=message)
 
-  decoded = qz.dequantize(reference, size=size, dtype=out_dtype, implementation="xla", **kwargs)
+  decoded = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="xla", **kwargs)
   close_within_rounding(
-      decoded, qz.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
+      decoded, quantize.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
       out_dtype, message,
   )
-  decoded_kernel = qz.dequantize(reference, size=size, dtype=out_dtype, implementation="interpret", **kwargs)
+  decoded_kernel = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="interpret", **kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes(decoded_kernel, decoded)
   close_within_rounding(decoded_kernel, decoded, out_dtype, message)
   # The first bucket is constant.
   first = np.asarray(x.reshape(-1)[:bucket_size].astype(out_dtype))
   np.testing.assert_array_equal(decoded_kernel[:bucket_size], first, err_msg=message)
 
-  summed = qz.dequantize_add(reference, y, implementation="xla", **kwargs)
-  summed_kernel = qz.dequantize_add(reference, y, implementation="interpret", **kwargs)
+  summed = quantize.dequantize_add(reference, y, implementation="xla", **kwargs)
+  summed_kernel = quantize.dequantize_add(reference, y, implementation="interpret", **kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes(summed_kernel, y)
   close_within_rounding(summed_kernel, summed, dtype, message)
 
 
-@pytest.mark.parametrize("bits", qz.SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", quantize.SUPPORTED_BITS)
 def test_codes_follow_the_planar_byte_order(bits, seed):
   """Byte j of a full row holds codes j and j + 128 (4-bit), or code j (8-bit);
   a short last row of r codes pairs j with j + ceil(r / 2)."""
@@ -162,7 +161,7 @@ def test_codes_follow_the_planar_byte_order(bits, seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal(size), jnp.float32)
   codes, _, _ = numpy_quantize(x, bits, 256, jnp.float32)
   codes = codes.astype(np.int64)
-  packed = np.asarray(qz.quantize(x, bits=bits, bucket_size=256, implementation="xla").codes)
+  packed = np.asarray(quantize.quantize(x, bits=bits, bucket_size=256, implementation="xla").codes)
   if bits == 8:
     np.testing.assert_array_equal(packed, codes, err_msg=f"seed={seed}")
     return
@@ -178,13 +177,13 @@ finite_float32 = st.floats(-1e6, 1e6, width=32, allow_subnormal=False)
 
 @hypothesis.given(
     x=hnp.arrays(np.float32, st.integers(0, 1100), elements=finite_float32),
-    bits=st.sampled_from(qz.SUPPORTED_BITS),
+    bits=st.sampled_from(quantize.SUPPORTED_BITS),
     bucket_size=st.sampled_from([32, 64, 128, 256, 512]),
     stats_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
 def test_round_trip_within_half_a_step(x, bits, bucket_size, stats_dtype):
-  q = qz.quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
-  decoded = qz.dequantize(q, size=x.size, bits=bits, bucket_size=bucket_size, implementation="xla")
+  q = quantize.quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
+  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=bucket_size, implementation="xla")
   padded = np.pad(x, (0, q.minimum.size * bucket_size - x.size), mode="edge").reshape(-1, bucket_size)
   # The stored statistics enclose each bucket.
   assert np.all(np.asarray(q.minimum.astype(jnp.float32)) <= padded.min(axis=1, initial=np.inf))
@@ -194,16 +193,16 @@ def test_round_trip_within_half_a_step(x, bits, bucket_size, stats_dtype):
 
 
 @pytest.mark.parametrize("stats_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("bits", qz.SUPPORTED_BITS)
+@pytest.mark.parametrize("bits", quantize.SUPPORTED_BITS)
 def test_constant_buckets_decode_exactly(bits, stats_dtype, seed):
   rng = np.random.default_rng(seed)
   values = rng.normal(size=3).astype(np.float32)
   if stats_dtype == jnp.bfloat16:
     values = values.astype(jnp.bfloat16).astype(np.float32)
   x = np.repeat(values, 64)[:150]  # the last bucket is short
-  q = qz.quantize(x, bits=bits, bucket_size=64, stats_dtype=stats_dtype, implementation="xla")
+  q = quantize.quantize(x, bits=bits, bucket_size=64, stats_dtype=stats_dtype, implementation="xla")
   np.testing.assert_array_equal(packing.unpack(q.codes, x.size, base=2**bits, planes=8 // bits), 0)
-  decoded = qz.dequantize(q, size=x.size, bits=bits, bucket_size=64, implementation="xla")
+  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=64, implementation="xla")
   np.testing.assert_array_equal(decoded, x, err_msg=f"seed={seed}")
 
 
@@ -213,70 +212,70 @@ def test_dequantize_add_is_y_plus_dequantize(dtype, seed):
   shape = (5, 77)
   x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
   y = jnp.asarray(rng.standard_normal(shape), dtype)
-  q = qz.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
-  decoded = qz.dequantize(q, size=x.size, bits=4, bucket_size=256, implementation="xla")
+  q = quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
+  decoded = quantize.dequantize(q, size=x.size, bits=4, bucket_size=256, implementation="xla")
   expected = (y.astype(jnp.float32) + decoded.reshape(shape)).astype(dtype)
-  summed = qz.dequantize_add(q, y, bits=4, bucket_size=256, implementation="xla")
+  summed = quantize.dequantize_add(q, y, bits=4, bucket_size=256, implementation="xla")
   chex.assert_trees_all_equal_shapes_and_dtypes(summed, y)
   np.testing.assert_array_equal(summed, expected, err_msg=f"seed={seed}")
 
 
 def test_quantize_under_jit_equals_eager(seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal((3, 300)), jnp.bfloat16)
-  quantize = lambda x: qz.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
-  chex.assert_trees_all_equal(jax.jit(quantize)(x), quantize(x))
+  quantized = lambda x: quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
+  chex.assert_trees_all_equal(jax.jit(quantized)(x), quantized(x))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("shape", [(0,), (4, 0)])
 def test_zero_size(shape, implementation):
   x = jnp.zeros(shape, jnp.bfloat16)
-  q = qz.quantize(x, bits=4, bucket_size=64, stats_dtype=jnp.bfloat16, implementation=implementation)
+  q = quantize.quantize(x, bits=4, bucket_size=64, stats_dtype=jnp.bfloat16, implementation=implementation)
   chex.assert_trees_all_equal_shapes_and_dtypes(
       q,
-      qz.QuantizedArray(
+      quantize.QuantizedArray(
           jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
       ),
   )
-  decoded = qz.dequantize(q, size=0, bits=4, bucket_size=64, implementation=implementation)
+  decoded = quantize.dequantize(q, size=0, bits=4, bucket_size=64, implementation=implementation)
   chex.assert_shape(decoded, (0,))
-  summed = qz.dequantize_add(q, x, bits=4, bucket_size=64, implementation=implementation)
+  summed = quantize.dequantize_add(q, x, bits=4, bucket_size=64, implementation=implementation)
   chex.assert_trees_all_equal_shapes_and_dtypes(summed, x)
 
 
 def test_num_buckets():
-  assert [qz.num_buckets(n, 256) for n in (0, 1, 256, 257, 1000)] == [0, 1, 1, 2, 4]
-  assert qz.num_buckets(100, 32) == 4
+  assert [quantize.num_buckets(n, 256) for n in (0, 1, 256, 257, 1000)] == [0, 1, 1, 2, 4]
+  assert quantize.num_buckets(100, 32) == 4
 
 
 X = jnp.ones((10,), jnp.float32)
-Q = qz.quantize(X, bits=4, bucket_size=64, implementation="xla")
+Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
 
 
 @pytest.mark.parametrize(
     "call,argument",
     [
-        (lambda: qz.quantize(X, bits=3, bucket_size=64), "bits"),
-        (lambda: qz.quantize(X, bits=True, bucket_size=64), "bits"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=100), "bucket_size"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=16), "bucket_size"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=0), "bucket_size"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=-256), "bucket_size"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=256.0), "bucket_size"),
-        (lambda: qz.quantize(jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "x"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=64, stats_dtype=jnp.float16), "stats_dtype"),
-        (lambda: qz.quantize(X, bits=4, bucket_size=64, implementation="cuda"), "implementation"),
-        (lambda: qz.num_buckets(-1, 64), "size"),
-        (lambda: qz.num_buckets(10, 300), "bucket_size"),
-        (lambda: qz.dequantize(Q, size=10, bits=4, bucket_size=64, dtype=jnp.int8), "dtype"),
-        (lambda: qz.dequantize(Q, size=-1, bits=4, bucket_size=64), "size"),
-        (lambda: qz.dequantize(Q, size=10, bits=5, bucket_size=64), "bits"),
-        (lambda: qz.dequantize(Q, size=10, bits=4, bucket_size=96), "bucket_size"),
-        (lambda: qz.dequantize(Q, size=11, bits=4, bucket_size=64), "q"),
-        (lambda: qz.dequantize(Q, size=10, bits=8, bucket_size=64), "q"),
-        (lambda: qz.dequantize(Q, size=10, bits=4, bucket_size=64, implementation="gpu"), "implementation"),
-        (lambda: qz.dequantize_add(Q, jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "y"),
-        (lambda: qz.dequantize_add(Q, jnp.ones(12), bits=4, bucket_size=64), "q"),
+        (lambda: quantize.quantize(X, bits=3, bucket_size=64), "bits"),
+        (lambda: quantize.quantize(X, bits=True, bucket_size=64), "bits"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=100), "bucket_size"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=16), "bucket_size"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=0), "bucket_size"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=-256), "bucket_size"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=256.0), "bucket_size"),
+        (lambda: quantize.quantize(jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "x"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=64, stats_dtype=jnp.float16), "stats_dtype"),
+        (lambda: quantize.quantize(X, bits=4, bucket_size=64, implementation="cuda"), "implementation"),
+        (lambda: quantize.num_buckets(-1, 64), "size"),
+        (lambda: quantize.num_buckets(10, 300), "bucket_size"),
+        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, dtype=jnp.int8), "dtype"),
+        (lambda: quantize.dequantize(Q, size=-1, bits=4, bucket_size=64), "size"),
+        (lambda: quantize.dequantize(Q, size=10, bits=5, bucket_size=64), "bits"),
+        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=96), "bucket_size"),
+        (lambda: quantize.dequantize(Q, size=11, bits=4, bucket_size=64), "q"),
+        (lambda: quantize.dequantize(Q, size=10, bits=8, bucket_size=64), "q"),
+        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, implementation="gpu"), "implementation"),
+        (lambda: quantize.dequantize_add(Q, jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "y"),
+        (lambda: quantize.dequantize_add(Q, jnp.ones(12), bits=4, bucket_size=64), "q"),
     ],
 )
 def test_invalid_arguments_raise_naming_them(call, argument):
@@ -286,8 +285,8 @@ def test_invalid_arguments_raise_naming_them(call, argument):
 
 def lowered_quantize() -> str:
   """``quantize`` of 1024 elements in buckets of 256, lowered for CUDA with ``implementation=None``."""
-  quantize = functools.partial(qz.quantize, bits=4, bucket_size=256)
-  return _backend.lower_for_cuda(quantize, jax.ShapeDtypeStruct((1024,), jnp.float32))
+  quantized = functools.partial(quantize.quantize, bits=4, bucket_size=256)
+  return _backend.lower_for_cuda(quantized, jax.ShapeDtypeStruct((1024,), jnp.float32))
 
 
 @pytest.mark.parametrize("kernel_faster", [True, False])
