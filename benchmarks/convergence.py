@@ -330,7 +330,7 @@ def plot(results: dict) -> list[pathlib.Path]:
           "state_bytes_per_param": r.state_bytes_per_param, "state_bytes": r.state_bytes,
           "adamw_state_bytes": r.adamw_state_bytes,
           "adamw_state_bytes_per_param": r.adamw_state_bytes / r.state_bytes * r.state_bytes_per_param,
-      } for r in rows], f"{TASK_TITLES[task].split(' (')[0].lower()}, {size} model", steps_per_point=LOSSES_EVERY)
+      } for r in rows], f"{TASK_TITLES[task].split(' (')[0]}, {size} model", steps_per_point=LOSSES_EVERY)
       written.append(path)
   return written
 

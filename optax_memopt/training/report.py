@@ -123,7 +123,7 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_p
     for ax in (whole, zoom):
       ax.plot(steps, curve, label=label, **styles[r["optimizer"]])
     if r["diverged_at_step"] is None:
-      half.append(curve[steps > len(r["train_losses"]) // 2])
+      half.append(curve[steps > len(r["train_losses"]) * steps_per_point // 2])
   half = np.concatenate(half) if half else np.zeros(0)
   if half.size:
     low, high = half.min(), half.max()
