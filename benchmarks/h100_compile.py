@@ -8,7 +8,10 @@ parameter: the state, the bytes the step moves, those as a ratio to
 ``optax.adamw``'s on the same parameters, the step's peak, and its
 temporaries beyond parameters + gradients + state; and whether the step fits
 in the H100's 80 GB. ``--kernels`` also compiles each optimizer with every
-Pallas kernel on (``implementation="pallas"``).
+Pallas kernel on (``implementation="pallas"``). ``--model llama3_8b`` takes
+Llama-3-8B's shapes instead, whose 128K-token vocabulary makes the embedding
+and the head 525M parameters each: the step's temporaries where one tensor is
+a large share of the model.
 
     pip install -e ".[gpu-compile]"
     python -m benchmarks.h100_compile --layers 2 --param-dtypes float32 bfloat16 --kernels \\
@@ -49,9 +52,13 @@ TOLERANCE = 0.05
 ABSOLUTE_SLACK = 0.005
 
 
-def llama2_7b_params(layers: int, param_dtype) -> tuple[dict, model.TransformerConfig]:
-  """Llama-2-7B's parameters with ``layers`` decoder layers (``ShapeDtypeStruct`` leaves), and its config."""
-  config = dataclasses.replace(shapes.MODELS["llama2_7b"], n_layers=layers)
+# The models that can be compiled, and how the tables name them.
+MODELS = {"llama2_7b": "Llama-2-7B", "llama3_8b": "Llama-3-8B"}
+
+
+def model_params(model_name: str, layers: int, param_dtype) -> tuple[dict, model.TransformerConfig]:
+  """``model_name``'s parameters with ``layers`` decoder layers (``ShapeDtypeStruct`` leaves), and its config."""
+  config = dataclasses.replace(shapes.MODELS[model_name], n_layers=layers)
   build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(config, rngs=nnx.Rngs(0)))[1])
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(param_dtype)), jax.eval_shape(build))
   return params, config
@@ -77,8 +84,8 @@ def measure(name: str, params, config, *, kernels: bool) -> dict:
 
 def render(results: dict) -> str:
   """Markdown tables (one per parameter dtype) from the JSON results."""
-  layers = results["layers"]
-  shape = "Llama-2-7B" if layers == 32 else f"Llama-2-7B's embedding, head and {layers} of its 32 decoder layers"
+  layers, name = results["layers"], MODELS[results.get("model", "llama2_7b")]
+  shape = name if layers == 32 else f"{name}'s embedding, head and {layers} of its 32 decoder layers"
   out = [f"{shape} ({results['n_params']:,} parameters), compiled for an H100 with JAX {results['jax']};"
          " bytes per parameter."]
   for dtype, rows in results["rows"].items():
@@ -109,7 +116,8 @@ def merged(results: dict, path: pathlib.Path) -> dict:
   if not path.exists():
     return results
   previous = json.loads(path.read_text())
-  if (previous["layers"], previous["jax"]) != (results["layers"], results["jax"]):
+  key = lambda r: (r["layers"], r["jax"], r.get("model", "llama2_7b"))
+  if key(previous) != key(results):
     return results
   for dtype, rows in results["rows"].items():
     previous["rows"].setdefault(dtype, {})
@@ -146,7 +154,9 @@ def regressions(results: dict, committed: dict) -> list[str]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--layers", type=int, default=32, help="decoder layers of Llama-2-7B's 32")
+  parser.add_argument("--model", default="llama2_7b", choices=list(MODELS),
+                      help="Llama-2-7B, or Llama-3-8B (a 128K-token vocabulary: a 525M-parameter embedding and head)")
+  parser.add_argument("--layers", type=int, default=32, help="decoder layers of the model's 32")
   parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
   parser.add_argument("--optimizers", nargs="+", default=None, choices=list(optimizers.OPTIMIZERS),
                       help="default: all (adamw always, as the baseline)")
@@ -165,8 +175,10 @@ def main(argv=None) -> int:
 
   names = ["adamw"] + [n for n in (args.optimizers or optimizers.OPTIMIZERS) if n != "adamw"]
   results = {"jax": jax.__version__, "layers": args.layers, "rows": {}}
+  if args.model != "llama2_7b":
+    results["model"] = args.model
   for dtype in args.param_dtypes:
-    params, config = llama2_7b_params(args.layers, dtype)
+    params, config = model_params(args.model, args.layers, dtype)
     results["n_params"] = shapes.count(params)
     rows = results["rows"][dtype] = {}
     for name in names:

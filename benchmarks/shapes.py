@@ -20,6 +20,12 @@ MODELS = {
     "llama2_7b": model.TransformerConfig(
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
     ),
+    # Llama-3-8B: a 128K-token vocabulary, so the embedding and the head are
+    # 525M parameters each (13% of the model); abstract only.
+    "llama3_8b": model.TransformerConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_len=8192,
+        rope_base=500_000.0,
+    ),
 }
 
 
