@@ -17,6 +17,7 @@ import pytest
 
 import optax_memopt
 from optax_memopt import state_nbytes
+from tests.test_gpu_compile import gpu_compile, needs_plugin
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "lowbit_adamw" / "torchao_adamw_lowbit_f32.npz"
 ALIASES = {"adamw_8bit": optax_memopt.adamw_8bit, "adamw_4bit": optax_memopt.adamw_4bit, "adamw_fp8": optax_memopt.adamw_fp8}
@@ -358,3 +359,14 @@ def test_state_can_be_donated():
     for _ in range(2):
       _, state = step(jax.tree.map(jnp.ones_like, params), state, params)
     assert int(state[0].count) == 2, kind
+
+
+@needs_plugin
+@pytest.mark.parametrize("kind", ["adamw_8bit", "adamw_4bit"])
+def test_on_an_h100_the_new_codes_are_written_over_the_old(kind):
+  """Compiled for an H100: two passes and no copy of the codes (a table read of the
+  old codes in the pass that writes the new ones makes XLA:GPU copy them: 8-bit
+  26.3 bytes per parameter, 4-bit 21.5)."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 1024), jnp.float32) for i in range(4)}
+  program = gpu_compile.compile_step(getattr(optax_memopt, kind)(1e-3), params)
+  assert program.moved_bytes / program.n_params < {"adamw_8bit": 22.5, "adamw_4bit": 19.75}[kind]

@@ -26,6 +26,7 @@ from flax import nnx
 import optax_memopt
 from optax_memopt.training import loop, model
 from tests import host_devices, oracles
+from tests.test_gpu_compile import gpu_compile, needs_plugin
 
 BLOCK_SIZE = 64
 MIN_SIZE = 256
@@ -500,3 +501,16 @@ def test_trains_under_nnx_jit_with_nnx_optimizer(seed):
   state = optimizer.opt_state[0]
   assert state.mu.packed["hidden"]["kernel"].shape == (16, 1, 7), f"seed={seed}"
   assert state.nu.row["hidden"]["kernel"].shape == (16,), f"seed={seed}"
+
+
+@needs_plugin
+def test_on_an_h100_each_tensors_codes_are_written_by_its_direction_pass():
+  """Compiled for an H100, sixteen tensors of one shape move ternary Adam's 21.8 bytes per parameter.
+
+  Index vectors shared by the tensors' steps let XLA:GPU's sibling fusion
+  merge their code passes across tensors, splitting each from its direction
+  (25.5 bytes); one tensor alone never shows it.
+  """
+  params = {f"w{i}": jax.ShapeDtypeStruct((512, 1024), jnp.float32) for i in range(16)}
+  program = gpu_compile.compile_step(optax_memopt.ternary_adam(1e-3), params)
+  assert program.moved_bytes / program.n_params < 0.8 * 28
