@@ -104,7 +104,8 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_p
   fig, (whole, zoom, bars) = plt.subplots(
       1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.8]}
   )
-  colors = iter(plt.get_cmap("tab10").colors)
+  # tab10 for up to ten curves besides AdamW's, tab20 (pairs of shades) for more.
+  colors = iter(plt.get_cmap("tab10" if len(rows) <= 11 else "tab20").colors)
   styles = {
       r["optimizer"]: {"color": "black", "linestyle": "--", "linewidth": 2.0, "zorder": 10}
       if r["optimizer"] == BASELINE else {"color": next(colors), "linewidth": 1.4}
