@@ -52,8 +52,8 @@ RESULTS = ROOT / "benchmarks" / "data" / "convergence.json"
 FIGURES = ROOT / "benchmarks" / "figures"
 
 SIZES = {
-    "small": MODEL_SIZES["small"],
-    "large": model.TransformerConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+  "small": MODEL_SIZES["small"],
+  "large": model.TransformerConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
 }
 BATCH_SIZE = 16
 SEQ_LEN = 64
@@ -86,14 +86,15 @@ class Task:
 # hours on 2 CPU cores (``--estimate``).
 LARGE_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_8bit_vocab_fp32", "adamw_fp8", "microadam", "microadam_5pct", "taco")
 PROTOCOL = {
-    "small": {
-        "finetune": Task(FINETUNE_CORPUS, steps=300, seeds=(0, 1, 2, 3, 4), lr_scale=0.3, start=(1, 2, 3)),
-        "pretrain": Task(PRETRAIN_CORPUS, steps=1000, seeds=(0,), lr_scale=1.0, start=(0, 1, 2)),
-    },
-    "large": {
-        "finetune": Task(FINETUNE_CORPUS, steps=100, seeds=(0, 1, 2), lr_scale=0.3, start=(1, 2, 3),
-                         optimizers=LARGE_OPTIMIZERS),
-    },
+  "small": {
+    "finetune": Task(FINETUNE_CORPUS, steps=300, seeds=(0, 1, 2, 3, 4), lr_scale=0.3, start=(1, 2, 3)),
+    "pretrain": Task(PRETRAIN_CORPUS, steps=1000, seeds=(0,), lr_scale=1.0, start=(0, 1, 2)),
+  },
+  "large": {
+    "finetune": Task(
+      FINETUNE_CORPUS, steps=100, seeds=(0, 1, 2), lr_scale=0.3, start=(1, 2, 3), optimizers=LARGE_OPTIMIZERS
+    ),
+  },
 }
 # AdamW's pre-training run whose weights every fine-tuning run starts from.
 BASE_PRETRAIN_STEPS = {"small": 1000, "large": 500}
@@ -103,7 +104,7 @@ LOSSES_EVERY = 10  # A run keeps the mean training loss of every 10 steps, for t
 
 def rate_name(exponent: int) -> str:
   """``x3``, ``x1``, ``x1/9``: the multiple ``3**exponent`` of the default rate."""
-  return f"x{3 ** exponent}" if exponent >= 0 else f"x1/{3 ** -exponent}"
+  return f"x{3**exponent}" if exponent >= 0 else f"x1/{3**-exponent}"
 
 
 def validation(run: dict) -> float:
@@ -120,8 +121,7 @@ def standard_error(values) -> float | None:
 
 
 def runs_of(results: dict, size: str, task: str, optimizer: str | None = None) -> list[dict]:
-  return [r for r in results["runs"] if r["size"] == size and r["task"] == task
-          and optimizer in (None, r["optimizer"])]
+  return [r for r in results["runs"] if r["size"] == size and r["task"] == task and optimizer in (None, r["optimizer"])]
 
 
 def complete_rates(runs: list[dict], seeds) -> dict[int, list[dict]]:
@@ -187,23 +187,25 @@ def summarize(runs: list[dict], seeds, *, start, limit: int = MAX_EXPONENT) -> R
   shortest = min(len(r["train_losses"]) for r in best_runs)
   values = tuple(validation(r) for r in best_runs)
   return Row(
-      optimizer=best_runs[0]["optimizer"],
-      exponent=best,
-      learning_rate=best_runs[0]["learning_rate"],
-      validation_loss=means[best],
-      standard_error=standard_error(values),
-      validation=values,
-      final_train_loss=float(np.mean([math.inf if r["final_train_loss"] is None else r["final_train_loss"]
-                                      for r in best_runs])),
-      means=means,
-      at_edge=best in (min(means), max(means)),
-      finished=next_exponent(means, start=start, limit=limit) is None,
-      state_bytes_per_param=best_runs[0]["state_bytes"] / best_runs[0]["n_params"],
-      state_bytes=best_runs[0]["state_bytes"],
-      adamw_state_bytes=best_runs[0]["adamw_state_bytes"],
-      train_losses=[float(x) for x in np.mean([r["train_losses"][:shortest] for r in best_runs], axis=0)],
-      diverged_at_step=min((r["diverged_at_step"] for r in best_runs if r["diverged_at_step"]), default=None)
-      if not math.isfinite(means[best]) else None,
+    optimizer=best_runs[0]["optimizer"],
+    exponent=best,
+    learning_rate=best_runs[0]["learning_rate"],
+    validation_loss=means[best],
+    standard_error=standard_error(values),
+    validation=values,
+    final_train_loss=float(
+      np.mean([math.inf if r["final_train_loss"] is None else r["final_train_loss"] for r in best_runs])
+    ),
+    means=means,
+    at_edge=best in (min(means), max(means)),
+    finished=next_exponent(means, start=start, limit=limit) is None,
+    state_bytes_per_param=best_runs[0]["state_bytes"] / best_runs[0]["n_params"],
+    state_bytes=best_runs[0]["state_bytes"],
+    adamw_state_bytes=best_runs[0]["adamw_state_bytes"],
+    train_losses=[float(x) for x in np.mean([r["train_losses"][:shortest] for r in best_runs], axis=0)],
+    diverged_at_step=min((r["diverged_at_step"] for r in best_runs if r["diverged_at_step"]), default=None)
+    if not math.isfinite(means[best])
+    else None,
   )
 
 
@@ -237,8 +239,12 @@ def seeds_of(results: dict, size: str, task: str) -> tuple[int, ...]:
 
 
 def row_of(results: dict, size: str, task: str, name: str) -> Row | None:
-  return summarize(runs_of(results, size, task, name), seeds_of(results, size, task),
-                   start=results["protocol"]["sizes"][size][task]["start"], limit=results["protocol"]["max_exponent"])
+  return summarize(
+    runs_of(results, size, task, name),
+    seeds_of(results, size, task),
+    start=results["protocol"]["sizes"][size][task]["start"],
+    limit=results["protocol"]["max_exponent"],
+  )
 
 
 def rows_of(results: dict, size: str, task: str) -> list[Row]:
@@ -253,24 +259,25 @@ def markdown_table(rows: list[Row]) -> str:
   base = next((r for r in rows if r.optimizer == BASE_OPTIMIZER), None)
   exponents = sorted({e for r in rows for e in r.means})
   lines = [
-      "| optimizer | best rate | validation loss | gap to AdamW | train loss | "
-      + " | ".join(f"{rate_name(e)}" for e in exponents) + " | state bytes/param |",
-      "|---" * (6 + len(exponents)) + "|",
+    "| optimizer | best rate | validation loss | gap to AdamW | train loss | "
+    + " | ".join(f"{rate_name(e)}" for e in exponents)
+    + " | state bytes/param |",
+    "|---" * (6 + len(exponents)) + "|",
   ]
   for r in rows:
     gap = _plus_minus(*gap_to(r, base)) if base else "n/a"
     lines.append(
-        f"| {r.optimizer} | {best_rate_cell(r)} | {_plus_minus(r.validation_loss, r.standard_error, sign='')}"
-        f" | {gap} | {_loss(r.final_train_loss)} | "
-        + " | ".join(_loss(r.means[e]) if e in r.means else "" for e in exponents)
-        + f" | {r.state_bytes_per_param:.3f} |"
+      f"| {r.optimizer} | {best_rate_cell(r)} | {_plus_minus(r.validation_loss, r.standard_error, sign='')}"
+      f" | {gap} | {_loss(r.final_train_loss)} | "
+      + " | ".join(_loss(r.means[e]) if e in r.means else "" for e in exponents)
+      + f" | {r.state_bytes_per_param:.3f} |"
     )
   return "\n".join(lines)
 
 
 TASK_TITLES = {
-    "pretrain": "Pre-training from scratch on CPython's help pages (`pydoc_topics`)",
-    "finetune": "Fine-tuning AdamW's pre-trained weights on the standard library's source (`stdlib_source`)",
+  "pretrain": "Pre-training from scratch on CPython's help pages (`pydoc_topics`)",
+  "finetune": "Fine-tuning AdamW's pre-trained weights on the standard library's source (`stdlib_source`)",
 }
 
 
@@ -285,8 +292,10 @@ def render(results: dict, optimizer_names=NAMES) -> str:
   for size, tasks in protocol["sizes"].items():
     for task, setting in tasks.items():
       rows = rows_of(results, size, task)
-      head = (f"{TASK_TITLES[task]}, {size} model ({protocol['n_params'][size]:,} parameters),"
-              f" {setting['steps']} steps, {len(setting['seeds'])} seed{'s' * (len(setting['seeds']) > 1)}")
+      head = (
+        f"{TASK_TITLES[task]}, {size} model ({protocol['n_params'][size]:,} parameters),"
+        f" {setting['steps']} steps, {len(setting['seeds'])} seed{'s' * (len(setting['seeds']) > 1)}"
+      )
       if task == "finetune" and size in results["bases"]:
         head += f" (validation loss before: {results['bases'][size]['validation_loss_before']:.3f})"
       missing = [n for n in setting["optimizers"] or optimizer_names if n not in {r.optimizer for r in rows}]
@@ -325,12 +334,23 @@ def plot(results: dict) -> list[pathlib.Path]:
       if not rows:
         continue
       path = figure_path(size, task)
-      report.plot_losses(path, [{
-          "optimizer": r.optimizer, "train_losses": r.train_losses, "diverged_at_step": r.diverged_at_step,
-          "state_bytes_per_param": r.state_bytes_per_param, "state_bytes": r.state_bytes,
-          "adamw_state_bytes": r.adamw_state_bytes,
-          "adamw_state_bytes_per_param": r.adamw_state_bytes / r.state_bytes * r.state_bytes_per_param,
-      } for r in rows], f"{TASK_TITLES[task].split(' (')[0]}, {size} model", steps_per_point=LOSSES_EVERY)
+      report.plot_losses(
+        path,
+        [
+          {
+            "optimizer": r.optimizer,
+            "train_losses": r.train_losses,
+            "diverged_at_step": r.diverged_at_step,
+            "state_bytes_per_param": r.state_bytes_per_param,
+            "state_bytes": r.state_bytes,
+            "adamw_state_bytes": r.adamw_state_bytes,
+            "adamw_state_bytes_per_param": r.adamw_state_bytes / r.state_bytes * r.state_bytes_per_param,
+          }
+          for r in rows
+        ],
+        f"{TASK_TITLES[task].split(' (')[0]}, {size} model",
+        steps_per_point=LOSSES_EVERY,
+      )
       written.append(path)
   return written
 
@@ -339,12 +359,16 @@ def protocol_json() -> dict:
   """The protocol as stored beside the runs: a resumed sweep must run the same one."""
   sizes = tuple(SIZES)
   return {
-      "sizes": {s: {t: json.loads(json.dumps(dataclasses.asdict(task))) for t, task in PROTOCOL[s].items()}
-                for s in sizes},
-      "n_params": {s: model.parameter_count(SIZES[s]) for s in sizes},
-      "configs": {s: dataclasses.asdict(SIZES[s]) for s in sizes},
-      "base_pretrain_steps": {s: BASE_PRETRAIN_STEPS[s] for s in sizes},
-      "batch_size": BATCH_SIZE, "seq_len": SEQ_LEN, "max_exponent": MAX_EXPONENT, "losses_every": LOSSES_EVERY,
+    "sizes": {
+      s: {t: json.loads(json.dumps(dataclasses.asdict(task))) for t, task in PROTOCOL[s].items()} for s in sizes
+    },
+    "n_params": {s: model.parameter_count(SIZES[s]) for s in sizes},
+    "configs": {s: dataclasses.asdict(SIZES[s]) for s in sizes},
+    "base_pretrain_steps": {s: BASE_PRETRAIN_STEPS[s] for s in sizes},
+    "batch_size": BATCH_SIZE,
+    "seq_len": SEQ_LEN,
+    "max_exponent": MAX_EXPONENT,
+    "losses_every": LOSSES_EVERY,
   }
 
 
@@ -367,30 +391,47 @@ def save(path: pathlib.Path, results: dict) -> None:
 
 
 def _means_of(losses: list[float], every: int) -> list[float]:
-  return [round(float(np.mean(losses[i:i + every])), 4) for i in range(0, len(losses), every)]
+  return [round(float(np.mean(losses[i : i + every])), 4) for i in range(0, len(losses), every)]
 
 
 def train_once(name: str, size: str, task: str, exponent: int, seed: int, params=None) -> dict:
   """One run's record for the results: its losses, its state's size, its time."""
   setting = PROTOCOL[size][task]
   spec = optimizers.get(name)
-  peak = spec.default_learning_rate * setting.lr_scale * 3.0 ** exponent
+  peak = spec.default_learning_rate * setting.lr_scale * 3.0**exponent
   config = SIZES[size]
   start = time.perf_counter()
   try:
-    result = loop.train(config, spec.build(learning_rate_schedule(peak, setting.steps), config), steps=setting.steps,
-                        batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=seed, corpus=setting.corpus, params=params)
+    result = loop.train(
+      config,
+      spec.build(learning_rate_schedule(peak, setting.steps), config),
+      steps=setting.steps,
+      batch_size=BATCH_SIZE,
+      seq_len=SEQ_LEN,
+      seed=seed,
+      corpus=setting.corpus,
+      params=params,
+    )
     figures = report.summary(name, result)
   except loop.NonFiniteLossError as error:
     # A rate that diverges loses the sweep; the other rates still run.
     figures = report.summary(name, error.result, diverged_at_step=error.step)
   return {
-      "size": size, "task": task, "optimizer": name, "exponent": exponent, "seed": seed, "learning_rate": peak,
-      "validation_loss": figures["validation_loss"], "final_train_loss": figures["final_train_loss"],
-      "diverged_at_step": figures["diverged_at_step"], "state_bytes": figures["state_bytes"],
-      "adamw_state_bytes": figures["adamw_state_bytes"], "n_params": figures["n_params"],
-      "ms_per_step": figures["ms_per_step"], "seconds": round(time.perf_counter() - start, 2),
-      "train_losses": _means_of(figures["train_losses"], LOSSES_EVERY),
+    "size": size,
+    "task": task,
+    "optimizer": name,
+    "exponent": exponent,
+    "seed": seed,
+    "learning_rate": peak,
+    "validation_loss": figures["validation_loss"],
+    "final_train_loss": figures["final_train_loss"],
+    "diverged_at_step": figures["diverged_at_step"],
+    "state_bytes": figures["state_bytes"],
+    "adamw_state_bytes": figures["adamw_state_bytes"],
+    "n_params": figures["n_params"],
+    "ms_per_step": figures["ms_per_step"],
+    "seconds": round(time.perf_counter() - start, 2),
+    "train_losses": _means_of(figures["train_losses"], LOSSES_EVERY),
   }
 
 
@@ -406,15 +447,20 @@ def pretrained_base(size: str, results: dict, cache: pathlib.Path):
     print(f"pre-training the {size} model's base: {BASE_OPTIMIZER}, {BASE_PRETRAIN_STEPS[size]} steps", flush=True)
     start = time.perf_counter()
     params = loop.train(
-        config, spec.build(learning_rate_schedule(spec.default_learning_rate, BASE_PRETRAIN_STEPS[size]), config),
-        steps=BASE_PRETRAIN_STEPS[size], batch_size=BATCH_SIZE, seq_len=SEQ_LEN, seed=BASE_SEED,
-        corpus=PRETRAIN_CORPUS,
+      config,
+      spec.build(learning_rate_schedule(spec.default_learning_rate, BASE_PRETRAIN_STEPS[size]), config),
+      steps=BASE_PRETRAIN_STEPS[size],
+      batch_size=BATCH_SIZE,
+      seq_len=SEQ_LEN,
+      seed=BASE_SEED,
+      corpus=PRETRAIN_CORPUS,
     ).params
     base["seconds"] = round(time.perf_counter() - start, 2)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_bytes(flax.serialization.to_bytes(params))
-  before = loop.evaluate(graphdef, params, data.split(data.load_corpus(FINETUNE_CORPUS))[1],
-                         batch_size=BATCH_SIZE, seq_len=SEQ_LEN)
+  before = loop.evaluate(
+    graphdef, params, data.split(data.load_corpus(FINETUNE_CORPUS))[1], batch_size=BATCH_SIZE, seq_len=SEQ_LEN
+  )
   # Another machine's base differs in the last bits, not more: a larger change means other weights.
   if abs(base.get("validation_loss_before", before) - before) > 1e-3:
     raise SystemExit(f"{cache} is not the base the results' fine-tuning runs started from; delete it")
@@ -428,8 +474,13 @@ def pending(results: dict, name: str, size: str, task: str) -> list[tuple[int, i
   done = {(r["exponent"], r["seed"]) for r in runs}
   partial = sorted({r["exponent"] for r in runs} - set(complete_rates(runs, seeds)))
   means = {e: mean_validation(rs) for e, rs in complete_rates(runs, seeds).items()}
-  exponent = partial[0] if partial else next_exponent(
-      means, start=results["protocol"]["sizes"][size][task]["start"], limit=results["protocol"]["max_exponent"])
+  exponent = (
+    partial[0]
+    if partial
+    else next_exponent(
+      means, start=results["protocol"]["sizes"][size][task]["start"], limit=results["protocol"]["max_exponent"]
+    )
+  )
   return [] if exponent is None else [(exponent, s) for s in seeds if (exponent, s) not in done]
 
 
@@ -441,9 +492,13 @@ def seconds_per_run(results: dict, name: str, size: str, task: str, pace=np.medi
   times this optimizer's ratio to AdamW at another size; for a size not run
   yet, another size's, scaled by the parameter count.
   """
+
   def per_step(optimizer, size):
-    runs = [r["ms_per_step"] for r in results["runs"] if r["optimizer"] == optimizer and r["size"] == size
-            and r["ms_per_step"] is not None]
+    runs = [
+      r["ms_per_step"]
+      for r in results["runs"]
+      if r["optimizer"] == optimizer and r["size"] == size and r["ms_per_step"] is not None
+    ]
     return float(pace(runs)) / 1e3 if runs else math.nan
 
   measured = [s for s in SIZES if math.isfinite(per_step(BASE_OPTIMIZER, s))]
@@ -456,8 +511,11 @@ def seconds_per_run(results: dict, name: str, size: str, task: str, pace=np.medi
   if not math.isfinite(seconds):
     base = size if size in measured else measured[0]
     seconds = per_step(BASE_OPTIMIZER, base) * ratio * n_params[size] / n_params[base]
-  overhead = [r["seconds"] - r["ms_per_step"] / 1e3 * PROTOCOL[r["size"]][r["task"]].steps
-              for r in results["runs"] if r["ms_per_step"] is not None]
+  overhead = [
+    r["seconds"] - r["ms_per_step"] / 1e3 * PROTOCOL[r["size"]][r["task"]].steps
+    for r in results["runs"]
+    if r["ms_per_step"] is not None
+  ]
   return PROTOCOL[size][task].steps * seconds + float(pace(overhead))
 
 
@@ -474,7 +532,8 @@ def estimate(results: dict, names, rates_per_sweep: int = 4) -> str:
     if "seconds" not in base:  # AdamW's pre-training, reckoned as a long fine-tuning run.
       for pace, total in ((np.median, "left"), (np.min, "idle")):
         extra = seconds_per_run(results, BASE_OPTIMIZER, size, "finetune", pace) * (
-            BASE_PRETRAIN_STEPS[size] / PROTOCOL[size]["finetune"].steps)
+          BASE_PRETRAIN_STEPS[size] / PROTOCOL[size]["finetune"].steps
+        )
         left, idle = (left + extra, idle) if total == "left" else (left, idle + extra)
     for task in PROTOCOL[size]:
       for name in [n for n in names if n in (PROTOCOL[size][task].optimizers or names)]:
@@ -488,8 +547,10 @@ def estimate(results: dict, names, rates_per_sweep: int = 4) -> str:
         done += sum(r["seconds"] for r in runs)
         left += seconds
         lines.append(f"  {size} {task} {name}: {len(runs)} runs done, about {to_run} to go ({seconds / 60:.0f} min)")
-  lines.append(f"done: {done / 3600:.1f} h. To go: {left / 3600:.1f} h at the median pace measured,"
-               f" {idle / 3600:.1f} h at the fastest (an idle machine).")
+  lines.append(
+    f"done: {done / 3600:.1f} h. To go: {left / 3600:.1f} h at the median pace measured,"
+    f" {idle / 3600:.1f} h at the fastest (an idle machine)."
+  )
   return "\n".join(lines)
 
 
@@ -510,12 +571,16 @@ def run(results: dict, path: pathlib.Path, names, sizes, tasks, cache_dir: pathl
             results["runs"].append(record)
             save(path, results)
             count += 1
-            print(f"[{count}, {(time.perf_counter() - started) / 60:.1f} min] {size} {task} {name}"
-                  f" {rate_name(exponent)} seed {seed}: validation {_loss(validation(record))}"
-                  f" ({record['seconds']:.0f} s)", flush=True)
+            print(
+              f"[{count}, {(time.perf_counter() - started) / 60:.1f} min] {size} {task} {name}"
+              f" {rate_name(exponent)} seed {seed}: validation {_loss(validation(record))}"
+              f" ({record['seconds']:.0f} s)",
+              flush=True,
+            )
         row = row_of(results, size, task, name)
-        print(f"  {size} {task} {name}: best {best_rate_cell(row)}, validation {_loss(row.validation_loss)}",
-              flush=True)
+        print(
+          f"  {size} {task} {name}: best {best_rate_cell(row)}, validation {_loss(row.validation_loss)}", flush=True
+        )
 
 
 def main(argv=None) -> None:
@@ -524,8 +589,12 @@ def main(argv=None) -> None:
   parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
   parser.add_argument("--tasks", nargs="+", default=["finetune", "pretrain"], choices=["finetune", "pretrain"])
   parser.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the JSON results, read and extended")
-  parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("results"),
-                      help="folder for the pre-trained bases of fine-tuning (not results: they are recomputed)")
+  parser.add_argument(
+    "--cache",
+    type=pathlib.Path,
+    default=pathlib.Path("results"),
+    help="folder for the pre-trained bases of fine-tuning (not results: they are recomputed)",
+  )
   parser.add_argument("--render", action="store_true", help="print the tables, write the plots, and exit")
   parser.add_argument("--estimate", action="store_true", help="print the full protocol's time and exit")
   args = parser.parse_args(argv)

@@ -35,14 +35,12 @@ import pathlib
 import sys
 import time
 
-from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from flax import nnx  # noqa: E402
 
 from benchmarks import shapes  # noqa: E402
+from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
 from optax_memopt.training import model, optimizers  # noqa: E402
 
 # A rise over a committed figure that fails the check: 5%, plus 0.005 bytes
@@ -71,14 +69,14 @@ def measure(name: str, params, config, *, kernels: bool) -> dict:
   program = gpu_compile.compile_step(tx, params)
   per_param = lambda b: b / program.n_params
   return {
-      "n_params": program.n_params,
-      "state": per_param(program.state_bytes),
-      "moved": per_param(program.moved_bytes),
-      "peak": per_param(program.peak_bytes),
-      "temporaries": per_param(program.temporaries_bytes),
-      "peak_bytes": program.peak_bytes,
-      "fits": program.peak_bytes <= gpu_compile.device_memory_bytes(),
-      "compile_seconds": round(time.perf_counter() - start, 1),
+    "n_params": program.n_params,
+    "state": per_param(program.state_bytes),
+    "moved": per_param(program.moved_bytes),
+    "peak": per_param(program.peak_bytes),
+    "temporaries": per_param(program.temporaries_bytes),
+    "peak_bytes": program.peak_bytes,
+    "fits": program.peak_bytes <= gpu_compile.device_memory_bytes(),
+    "compile_seconds": round(time.perf_counter() - start, 1),
   }
 
 
@@ -86,15 +84,19 @@ def render(results: dict) -> str:
   """Markdown tables (one per parameter dtype) from the JSON results."""
   layers, name = results["layers"], MODELS[results.get("model", "llama2_7b")]
   shape = name if layers == 32 else f"{name}'s embedding, head and {layers} of its 32 decoder layers"
-  out = [f"{shape} ({results['n_params']:,} parameters), compiled for an H100 with JAX {results['jax']};"
-         " bytes per parameter."]
+  out = [
+    f"{shape} ({results['n_params']:,} parameters), compiled for an H100 with JAX {results['jax']};"
+    " bytes per parameter."
+  ]
   for dtype, rows in results["rows"].items():
     adamw = rows["adamw"]["default"]["moved"]
     kernels = any("pallas" in row for row in rows.values())
     out += ["", f"{dtype} parameters:", ""]
     # Whether the step fits says something only of the whole model.
     whole = layers == 32
-    header = "| optimizer | state | bytes moved | / adamw | peak | temporaries |" + (" fits in 80 GB |" if whole else "")
+    header = "| optimizer | state | bytes moved | / adamw | peak | temporaries |" + (
+      " fits in 80 GB |" if whole else ""
+    )
     rule = "|---|---|---|---|---|---|" + ("---|" if whole else "")
     if kernels:
       header += " bytes moved, every Pallas kernel on | / adamw |"
@@ -102,8 +104,10 @@ def render(results: dict) -> str:
     out += [header, rule]
     for name, row in rows.items():
       d = row["default"]
-      line = (f"| {name} | {d['state']:.3f} | {d['moved']:.1f} | {d['moved'] / adamw:.2f} | {d['peak']:.2f}"
-              f" | {d['temporaries']:.3f} |" + (f" {'yes' if d['fits'] else 'no'} |" if whole else ""))
+      line = (
+        f"| {name} | {d['state']:.3f} | {d['moved']:.1f} | {d['moved'] / adamw:.2f} | {d['peak']:.2f}"
+        f" | {d['temporaries']:.3f} |" + (f" {'yes' if d['fits'] else 'no'} |" if whole else "")
+      )
       if kernels:
         k = row.get("pallas")
         line += f" {k['moved']:.1f} | {k['moved'] / adamw:.2f} |" if k else " | |"
@@ -145,8 +149,10 @@ def regressions(results: dict, committed: dict) -> list[str]:
           continue
         old_ratio = old["moved"] / committed["rows"][dtype]["adamw"]["default"]["moved"]
         new_ratio = new["moved"] / rows["adamw"]["default"]["moved"]
-        for label, before, after, slack in (("bytes / adamw", old_ratio, new_ratio, 0.0),
-                                            ("temporaries", old["temporaries"], new["temporaries"], ABSOLUTE_SLACK)):
+        for label, before, after, slack in (
+          ("bytes / adamw", old_ratio, new_ratio, 0.0),
+          ("temporaries", old["temporaries"], new["temporaries"], ABSOLUTE_SLACK),
+        ):
           if after > before * (1 + TOLERANCE) + slack:
             found.append(f"{dtype} {name} {implementation}: {label} {before:.3f} -> {after:.3f}")
   return found
@@ -154,17 +160,28 @@ def regressions(results: dict, committed: dict) -> list[str]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--model", default="llama2_7b", choices=list(MODELS),
-                      help="Llama-2-7B, or Llama-3-8B (a 128K-token vocabulary: a 525M-parameter embedding and head)")
+  parser.add_argument(
+    "--model",
+    default="llama2_7b",
+    choices=list(MODELS),
+    help="Llama-2-7B, or Llama-3-8B (a 128K-token vocabulary: a 525M-parameter embedding and head)",
+  )
   parser.add_argument("--layers", type=int, default=32, help="decoder layers of the model's 32")
   parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-  parser.add_argument("--optimizers", nargs="+", default=None, choices=list(optimizers.OPTIMIZERS),
-                      help="default: all (adamw always, as the baseline)")
+  parser.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=None,
+    choices=list(optimizers.OPTIMIZERS),
+    help="default: all (adamw always, as the baseline)",
+  )
   parser.add_argument("--kernels", action="store_true", help="also compile with every Pallas kernel on")
-  parser.add_argument("--json", type=pathlib.Path,
-                      help="write the results here, over the rows an existing file of the same shapes holds")
-  parser.add_argument("--check", type=pathlib.Path,
-                      help="committed results: exit 1 where a bytes ratio or temporaries rose more than 5%%")
+  parser.add_argument(
+    "--json", type=pathlib.Path, help="write the results here, over the rows an existing file of the same shapes holds"
+  )
+  parser.add_argument(
+    "--check", type=pathlib.Path, help="committed results: exit 1 where a bytes ratio or temporaries rose more than 5%%"
+  )
   parser.add_argument("--render", type=pathlib.Path, help="print the tables of a results file and exit")
   args = parser.parse_args(argv)
   if args.render:

@@ -36,8 +36,10 @@ UPDATE_TOLERANCE = 1e-2
 
 
 def _tree_relative_difference(a, b) -> float:
-  num = sum(float(jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32))))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  num = sum(
+    float(jnp.sum(jnp.square(x.astype(jnp.float32) - y.astype(jnp.float32))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   den = sum(float(jnp.sum(jnp.square(y.astype(jnp.float32)))) for y in jax.tree.leaves(b))
   return float(np.sqrt(num / max(den, 1e-30)))
 
@@ -71,8 +73,13 @@ def compare(name: str, model: str, params, *, reference: str, kernel: str, steps
       updates[impl], state[impl] = steps_of[impl](grads, state[impl], params)
     worst_update = max(worst_update, _tree_relative_difference(updates[kernel], updates[reference]))
   float_difference, code_fraction, finite = _state_differences(state[kernel], state[reference])
-  return {"optimizer": name, "update_difference": worst_update, "state_float_difference": float_difference,
-          "state_code_fraction_differing": code_fraction, "finite_agree": finite}
+  return {
+    "optimizer": name,
+    "update_difference": worst_update,
+    "state_float_difference": float_difference,
+    "state_code_fraction_differing": code_fraction,
+    "finite_agree": finite,
+  }
 
 
 def main(argv=None) -> int:
@@ -86,8 +93,10 @@ def main(argv=None) -> int:
   reference, kernel = args.implementations
   params = shapes.params(args.model)
   names = [name for name, spec in optimizers.OPTIMIZERS.items() if spec.has_kernels]
-  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; model {args.model}"
-        f" ({shapes.count(params):,} parameters), {args.steps} steps")
+  print(
+    f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; model {args.model}"
+    f" ({shapes.count(params):,} parameters), {args.steps} steps"
+  )
   print("| optimizer | update rel. diff | state float rel. diff | integer codes differing | verdict |")
   print("|---|---|---|---|---|")
   rows, failures = [], 0
@@ -96,8 +105,11 @@ def main(argv=None) -> int:
       row = compare(name, args.model, params, reference=reference, kernel=kernel, steps=args.steps, seed=args.seed)
       agrees = row["finite_agree"] and row["update_difference"] <= UPDATE_TOLERANCE
       verdict = "agree" if agrees else "DISAGREE"
-      print(f"| {name} | {row['update_difference']:.2e} | {row['state_float_difference']:.2e} |"
-            f" {100 * row['state_code_fraction_differing']:.4f}% | {verdict} |", flush=True)
+      print(
+        f"| {name} | {row['update_difference']:.2e} | {row['state_float_difference']:.2e} |"
+        f" {100 * row['state_code_fraction_differing']:.4f}% | {verdict} |",
+        flush=True,
+      )
     except Exception as e:  # One row per optimizer, whatever happens.
       row, agrees = {"optimizer": name, "error": f"{type(e).__name__}: {e}"}, False
       print(f"| {name} | {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - | ERROR |", flush=True)

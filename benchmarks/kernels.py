@@ -49,31 +49,38 @@ def _normal(key, size, dtype=jnp.float32):
 def _cases() -> list[KernelCase]:
   k = int(np.ceil(TOPK_BLOCK * TOPK_DENSITY))
   cases = [
-      KernelCase(
-          "block_topk f32",
-          lambda key, n: (_normal(key, n),),
-          lambda x, implementation: topk.block_topk(x, density=TOPK_DENSITY, block_size=TOPK_BLOCK, implementation=implementation),
-          lambda n: 4 * n + 6 * (n // TOPK_BLOCK) * k,
+    KernelCase(
+      "block_topk f32",
+      lambda key, n: (_normal(key, n),),
+      lambda x, implementation: topk.block_topk(
+        x, density=TOPK_DENSITY, block_size=TOPK_BLOCK, implementation=implementation
       ),
+      lambda n: 4 * n + 6 * (n // TOPK_BLOCK) * k,
+    ),
   ]
   for bits in quantize.SUPPORTED_BITS:
     cases += [
-        KernelCase(
-            f"quantize {bits}-bit",
-            lambda key, n: (_normal(key, n),),
-            lambda x, implementation, bits=bits: quantize.quantize(
-                x, bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation=implementation),
-            lambda n, bits=bits: 4 * n + n * bits // 8,
+      KernelCase(
+        f"quantize {bits}-bit",
+        lambda key, n: (_normal(key, n),),
+        lambda x, implementation, bits=bits: quantize.quantize(
+          x, bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation=implementation
         ),
-        KernelCase(
-            f"dequantize_add {bits}-bit",
-            lambda key, n, bits=bits: (quantize.quantize(_normal(key, n), bits=bits, bucket_size=BUCKET,
-                                                         stats_dtype=jnp.bfloat16, implementation="xla"),
-                                       _normal(jax.random.fold_in(key, 1), n)),
-            lambda q, y, implementation, bits=bits: quantize.dequantize_add(
-                q, y, bits=bits, bucket_size=BUCKET, implementation=implementation),
-            lambda n, bits=bits: 8 * n + n * bits // 8,
+        lambda n, bits=bits: 4 * n + n * bits // 8,
+      ),
+      KernelCase(
+        f"dequantize_add {bits}-bit",
+        lambda key, n, bits=bits: (
+          quantize.quantize(
+            _normal(key, n), bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation="xla"
+          ),
+          _normal(jax.random.fold_in(key, 1), n),
         ),
+        lambda q, y, implementation, bits=bits: quantize.dequantize_add(
+          q, y, bits=bits, bucket_size=BUCKET, implementation=implementation
+        ),
+        lambda n, bits=bits: 8 * n + n * bits // 8,
+      ),
     ]
   return cases
 
@@ -111,14 +118,22 @@ def main(argv=None) -> int:
   reference, kernel = args.implementations
   device = jax.devices()[0].device_kind
   peak = HBM_PEAK.get(device)
-  print(f"JAX {jax.__version__} on {device}; {args.size:,} elements per input;"
-        f" HBM peak {peak / 1e9:,.0f} GB/s" if peak else f"JAX {jax.__version__} on {device}; {args.size:,} elements")
-  print(f"| op | {kernel} vs {reference} | {reference} ms | {kernel} ms | {reference} GB/s | {kernel} GB/s | {kernel} % of peak |")
+  print(
+    f"JAX {jax.__version__} on {device}; {args.size:,} elements per input; HBM peak {peak / 1e9:,.0f} GB/s"
+    if peak
+    else f"JAX {jax.__version__} on {device}; {args.size:,} elements"
+  )
+  print(
+    f"| op | {kernel} vs {reference} | {reference} ms | {kernel} ms"
+    f" | {reference} GB/s | {kernel} GB/s | {kernel} % of peak |"
+  )
   print("|---|---|---|---|---|---|---|")
   rows, failures = [], 0
   for case in _cases():
     inputs = case.make_inputs(jax.random.key(0), args.size)
-    fns = {impl: jax.jit(lambda *a, impl=impl, case=case: case.run(*a, implementation=impl)) for impl in (reference, kernel)}
+    fns = {
+      impl: jax.jit(lambda *a, impl=impl, case=case: case.run(*a, implementation=impl)) for impl in (reference, kernel)
+    }
     try:
       agreement = _agree(fns[kernel](*inputs), fns[reference](*inputs))
       times = {impl: _time(fn, inputs, args.repeats) for impl, fn in fns.items()}
@@ -131,8 +146,11 @@ def main(argv=None) -> int:
     rows.append(row)
     cell = lambda d, i, f: format(d[i], f) if i in d else "-"
     pct = f"{100 * gbps[kernel] * 1e9 / peak:.0f}%" if peak and kernel in gbps else "-"
-    print(f"| {case.name} | {agreement} | {cell(row['ms'], reference, '.3f')} | {cell(row['ms'], kernel, '.3f')} |"
-          f" {cell(gbps, reference, '.0f')} | {cell(gbps, kernel, '.0f')} | {pct} |", flush=True)
+    print(
+      f"| {case.name} | {agreement} | {cell(row['ms'], reference, '.3f')} | {cell(row['ms'], kernel, '.3f')} |"
+      f" {cell(gbps, reference, '.0f')} | {cell(gbps, kernel, '.0f')} | {pct} |",
+      flush=True,
+    )
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "kernels.json").write_text(json.dumps({"device": device, "size": args.size, "rows": rows}, indent=1))
   return 1 if failures else 0

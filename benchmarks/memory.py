@@ -36,11 +36,11 @@ from optax_memopt.training import optimizers
 # "GB" are binary (its 5.65 is 0.9 bytes x 6.74e9 parameters in GiB); the
 # Adam-mini repository's are decimal (53.92 = 8 bytes x 6.74e9 / 1e9).
 PAPER_LLAMA2_7B = {
-    "adamw": "53.92 GB (Adam-mini repo, fp32)",
-    "adamw_bf16": "25.1 GiB (MicroAdam paper: bf16 m and v with bf16 weights; this row keeps v in fp32)",
-    "adam_mini": "26.96 GB (Adam-mini repo, fp32)",
-    "microadam": "5.65 GiB (MicroAdam paper)",
-    "adamw_8bit": "12.55 GiB (MicroAdam paper: bitsandbytes' AdamW-8bit)",
+  "adamw": "53.92 GB (Adam-mini repo, fp32)",
+  "adamw_bf16": "25.1 GiB (MicroAdam paper: bf16 m and v with bf16 weights; this row keeps v in fp32)",
+  "adam_mini": "26.96 GB (Adam-mini repo, fp32)",
+  "microadam": "5.65 GiB (MicroAdam paper)",
+  "adamw_8bit": "12.55 GiB (MicroAdam paper: bitsandbytes' AdamW-8bit)",
 }
 
 
@@ -69,32 +69,34 @@ def step_peak(name: str, model: str) -> dict:
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(abstract, state, abstract).compile()
   analysis = compiled.memory_analysis()
   peak = (
-      analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-      + analysis.temp_size_in_bytes
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    - analysis.alias_size_in_bytes
+    + analysis.temp_size_in_bytes
   )
   n_params = shapes.count(abstract)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
   state_bytes = state_nbytes(state)
   return {
-      "n_params": n_params,
-      "state": state_bytes / n_params,
-      "peak": peak / n_params,
-      "temporaries": (peak - 2 * param_bytes - state_bytes) / n_params,
+    "n_params": n_params,
+    "state": state_bytes / n_params,
+    "peak": peak / n_params,
+    "temporaries": (peak - 2 * param_bytes - state_bytes) / n_params,
   }
 
 
 def render_step_peak(results: dict) -> str:
   """The markdown table of a ``--step-peak`` results file, bytes per parameter."""
   lines = [
-      "| model | params | optimizer | state | peak | temporaries | peak / adamw's |",
-      "|---|---|---|---|---|---|---|",
+    "| model | params | optimizer | state | peak | temporaries | peak / adamw's |",
+    "|---|---|---|---|---|---|---|",
   ]
   for model, rows in results["models"].items():
     adamw = rows["adamw"]["peak"]
     for name, row in rows.items():
       lines.append(
-          f"| {model} | {row['n_params']:,} | {name} | {row['state']:.3f} | {row['peak']:.2f} |"
-          f" {row['temporaries']:.2f} | {row['peak'] / adamw:.2f} |"
+        f"| {model} | {row['n_params']:,} | {name} | {row['state']:.3f} | {row['peak']:.2f} |"
+        f" {row['temporaries']:.2f} | {row['peak'] / adamw:.2f} |"
       )
   return "\n".join(lines)
 
@@ -103,8 +105,13 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["demo", "10M", "llama2_7b"], choices=sorted(shapes.MODELS))
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
-  parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS),
-                      choices=list(optimizers.OPTIMIZERS), help="for --step-peak (adamw is always measured)")
+  parser.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=list(optimizers.OPTIMIZERS),
+    choices=list(optimizers.OPTIMIZERS),
+    help="for --step-peak (adamw is always measured)",
+  )
   parser.add_argument("--step-peak", type=pathlib.Path, help="measure the CPU step's peak into this results file")
   parser.add_argument("--render", type=pathlib.Path, help="print the table of a --step-peak results file and exit")
   args = parser.parse_args(argv)

@@ -170,14 +170,20 @@ def main(argv=None) -> None:
   split_total = sum(us for (*_, parts), (_, us) in operations.items() if parts > 1)
   per_step_ms = lambda us: us / 1e3 / args.steps
 
-  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {args.optimizer},"
-        f" {args.model} ({shapes.count(params):,} parameters)")
-  print(f"step (untraced, {args.steps} steps in a row): {wall_ms:.1f} ms; operations' time per"
-        f" step: {per_step_ms(total):.1f} ms on {len(threads)} threads, {split_total / total:.0%} of it"
-        " in operations split over several")
-  print(f"traced step: {per_step_ms(sum(running.values())):.1f} ms, of which two or more operations"
-        f" ran {per_step_ms(running[2]):.1f} ms, one {per_step_ms(running[1]):.1f} ms, none"
-        f" {per_step_ms(running[0]):.1f} ms")
+  print(
+    f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; {args.optimizer},"
+    f" {args.model} ({shapes.count(params):,} parameters)"
+  )
+  print(
+    f"step (untraced, {args.steps} steps in a row): {wall_ms:.1f} ms; operations' time per"
+    f" step: {per_step_ms(total):.1f} ms on {len(threads)} threads, {split_total / total:.0%} of it"
+    " in operations split over several"
+  )
+  print(
+    f"traced step: {per_step_ms(sum(running.values())):.1f} ms, of which two or more operations"
+    f" ran {per_step_ms(running[2]):.1f} ms, one {per_step_ms(running[1]):.1f} ms, none"
+    f" {per_step_ms(running[0]):.1f} ms"
+  )
   # glibc's malloc gives a temporary buffer above 32 MiB a fresh mapping at
   # every step, whose pages fault in during the operations that write them.
   print(f"temporary buffer: {temp_mb:.1f} MB; minor page faults per untraced step: {faults:,.0f}")
@@ -188,11 +194,11 @@ def main(argv=None) -> None:
     print(f"| {stage} | {per_step_ms(us):.2f} | {us / total:.0%} |")
   print("\n| stage | operation | output shape | parts | calls/step | ms/step | share |")
   print("|---|---|---|---|---|---|---|")
-  for (stage, kind, shape, parts), (calls, us) in sorted(
-      operations.items(), key=lambda item: -item[1][1]
-  )[: args.top]:
-    print(f"| {stage} | {kind} | `{shape}` | {parts} | {calls / args.steps:.0f} |"
-          f" {per_step_ms(us):.2f} | {us / total:.0%} |")
+  for (stage, kind, shape, parts), (calls, us) in sorted(operations.items(), key=lambda item: -item[1][1])[: args.top]:
+    print(
+      f"| {stage} | {kind} | `{shape}` | {parts} | {calls / args.steps:.0f} |"
+      f" {per_step_ms(us):.2f} | {us / total:.0%} |"
+    )
 
 
 if __name__ == "__main__":

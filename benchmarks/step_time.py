@@ -81,25 +81,24 @@ class Timed:
 
 
 HEADER = (
-    "| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |\n"
-    "|---|---|---|---|---|---|---|"
+  "| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |\n|---|---|---|---|---|---|---|"
 )
 
 
 def table_row(row: dict) -> str:
   return (
-      f"| {row['model']} | {row['n_params']:,} | {row['optimizer']} | {row['implementation']} |"
-      f" {row['ms_per_step']:.1f} | {row['ratio_to_adamw']:.2f}x | {row['temp_bytes'] / 2**20:.1f} |"
+    f"| {row['model']} | {row['n_params']:,} | {row['optimizer']} | {row['implementation']} |"
+    f" {row['ms_per_step']:.1f} | {row['ratio_to_adamw']:.2f}x | {row['temp_bytes'] / 2**20:.1f} |"
   )
 
 
 def render(results: dict) -> str:
   """The markdown table of a results file: where and how it was measured, then a row per step."""
   lines = [
-      f"`{results['command']}` ({results['machine']}, {results['date']}; JAX {results['jax']}).",
-      "",
-      HEADER,
-      *(table_row(row) for row in results["rows"]),
+    f"`{results['command']}` ({results['machine']}, {results['date']}; JAX {results['jax']}).",
+    "",
+    HEADER,
+    *(table_row(row) for row in results["rows"]),
   ]
   return "\n".join(lines)
 
@@ -108,13 +107,25 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["10M", "40M"], choices=sorted(shapes.MODELS))
   parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS))
-  parser.add_argument("--implementations", nargs="+", default=["auto"], choices=["auto", "xla", "pallas"],
-                      help="kernel paths to time; auto: Pallas on a Hopper-or-newer GPU, XLA elsewhere")
+  parser.add_argument(
+    "--implementations",
+    nargs="+",
+    default=["auto"],
+    choices=["auto", "xla", "pallas"],
+    help="kernel paths to time; auto: Pallas on a Hopper-or-newer GPU, XLA elsewhere",
+  )
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--json", type=pathlib.Path, default=pathlib.Path("results/step_time.json"),
-                      help="where the results go (the committed ones: benchmarks/data/step_time.json)")
-  parser.add_argument("--machine", default=f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores",
-                      help="how the results file names the machine measured")
+  parser.add_argument(
+    "--json",
+    type=pathlib.Path,
+    default=pathlib.Path("results/step_time.json"),
+    help="where the results go (the committed ones: benchmarks/data/step_time.json)",
+  )
+  parser.add_argument(
+    "--machine",
+    default=f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores",
+    help="how the results file names the machine measured",
+  )
   parser.add_argument("--render", type=pathlib.Path, help="print the table of a results file and exit")
   args = parser.parse_args(argv)
   if args.render:
@@ -143,26 +154,35 @@ def main(argv=None) -> None:
         try:
           timed.append((name, path, Timed(optimizer, fresh, grads)))
         except Exception as e:  # One row per optimizer, whatever happens.
-          print(f"| {model} | {shapes.count(params):,} | {name} | {path} |"
-                f" {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - |", flush=True)
+          print(
+            f"| {model} | {shapes.count(params):,} | {name} | {path} |"
+            f" {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - |",
+            flush=True,
+          )
     for _ in range(args.repeats):
       for _, _, entry in timed:
         entry.step(grads)
     baseline = timed[0][2].seconds
     for name, path, entry in timed:
       ratio = statistics.median(s / b for s, b in zip(entry.seconds, baseline))
-      row = {"model": model, "n_params": shapes.count(params), "optimizer": name, "implementation": path,
-             "ms_per_step": 1e3 * statistics.median(entry.seconds), "ratio_to_adamw": ratio,
-             "temp_bytes": entry.temp_bytes}
+      row = {
+        "model": model,
+        "n_params": shapes.count(params),
+        "optimizer": name,
+        "implementation": path,
+        "ms_per_step": 1e3 * statistics.median(entry.seconds),
+        "ratio_to_adamw": ratio,
+        "temp_bytes": entry.temp_bytes,
+      }
       rows.append(row)
       print(table_row(row), flush=True)
     del timed
   results = {
-      "command": "python -m benchmarks.step_time " + shlex.join(argv if argv is not None else sys.argv[1:]),
-      "machine": args.machine,
-      "date": datetime.date.today().isoformat(),
-      "jax": jax.__version__,
-      "rows": rows,
+    "command": "python -m benchmarks.step_time " + shlex.join(argv if argv is not None else sys.argv[1:]),
+    "machine": args.machine,
+    "date": datetime.date.today().isoformat(),
+    "jax": jax.__version__,
+    "rows": rows,
   }
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps(results, indent=1) + "\n")

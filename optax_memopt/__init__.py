@@ -1,39 +1,39 @@
 """optax_memopt: optimizers for optax whose state is a fraction of Adam's."""
 
-from optax_memopt.state_bytes import state_nbytes
-from optax_memopt.sharding import state_shardings
 from optax_memopt.adam_mini import ScaleByAdamMiniState, adam_mini, scale_by_adam_mini
 from optax_memopt.adam_mini_blocks import BlockRule, adam_mini_partition
 from optax_memopt.lowbit_adamw import ScaleByLowbitAdamState, adamw_4bit, adamw_8bit, adamw_fp8, scale_by_lowbit_adam
 from optax_memopt.microadam import ScaleByMicroAdamState, microadam, scale_by_microadam
+from optax_memopt.sharding import state_shardings
+from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.taco import MatrixAxes, ScaleByTacoState, scale_by_taco, taco, taco_labels
 from optax_memopt.ternary_adam import FactoredSecondMoment, ScaleByTernaryAdamState, scale_by_ternary_adam, ternary_adam
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "adam_mini",
-    "adam_mini_partition",
-    "adamw_4bit",
-    "adamw_8bit",
-    "adamw_fp8",
-    "BlockRule",
-    "FactoredSecondMoment",
-    "MatrixAxes",
-    "microadam",
-    "scale_by_adam_mini",
-    "scale_by_lowbit_adam",
-    "scale_by_microadam",
-    "scale_by_taco",
-    "scale_by_ternary_adam",
-    "ScaleByAdamMiniState",
-    "ScaleByLowbitAdamState",
-    "ScaleByMicroAdamState",
-    "ScaleByTacoState",
-    "ScaleByTernaryAdamState",
-    "state_nbytes",
-    "state_shardings",
-    "taco",
-    "taco_labels",
-    "ternary_adam",
+  "adam_mini",
+  "adam_mini_partition",
+  "adamw_4bit",
+  "adamw_8bit",
+  "adamw_fp8",
+  "BlockRule",
+  "FactoredSecondMoment",
+  "MatrixAxes",
+  "microadam",
+  "scale_by_adam_mini",
+  "scale_by_lowbit_adam",
+  "scale_by_microadam",
+  "scale_by_taco",
+  "scale_by_ternary_adam",
+  "ScaleByAdamMiniState",
+  "ScaleByLowbitAdamState",
+  "ScaleByMicroAdamState",
+  "ScaleByTacoState",
+  "ScaleByTernaryAdamState",
+  "state_nbytes",
+  "state_shardings",
+  "taco",
+  "taco_labels",
+  "ternary_adam",
 ]

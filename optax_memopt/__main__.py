@@ -26,9 +26,9 @@ from optax_memopt.hyperparameters import check_int
 from optax_memopt.training import loop, model, optimizers, report
 
 MODEL_SIZES = {
-    "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
-    "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-    "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
+  "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
+  "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+  "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
 }
 DEFAULT_OPTIMIZER = "microadam"
 # What a run with neither --optimizer nor --compare trains: the baseline and one compressed optimizer.
@@ -49,15 +49,16 @@ def learning_rate_schedule(peak: float, steps: int) -> optax.Schedule:
   Returns:
     An ``optax.Schedule`` from the step count to the learning rate.
   """
-  if isinstance(peak, bool) or not isinstance(peak, numbers.Real) or not (
-      math.isfinite(peak) and peak >= 0
-  ):
+  if isinstance(peak, bool) or not isinstance(peak, numbers.Real) or not (math.isfinite(peak) and peak >= 0):
     raise ValueError(f"peak learning rate must be a finite number >= 0; got {peak!r}.")
   steps = check_int("steps", steps, 1)
   warmup_steps = max(1, steps // 20)
   return optax.warmup_cosine_decay_schedule(
-      0.0, peak, warmup_steps=warmup_steps, decay_steps=max(steps, warmup_steps + 1),
-      end_value=peak / 10,
+    0.0,
+    peak,
+    warmup_steps=warmup_steps,
+    decay_steps=max(steps, warmup_steps + 1),
+    end_value=peak / 10,
   )
 
 
@@ -99,53 +100,77 @@ def _epilog() -> str:
   for name, spec in optimizers.OPTIMIZERS.items():
     lines.append(f"  {name:<{width}}  {spec.default_learning_rate:<6g}  {spec.summary}")
   lines += [
-      "",
-      "The learning rate warms up linearly from 0 over the first 5% of the steps,",
-      "then decays as a cosine to a tenth of its peak.",
-      "",
-      "A run whose loss becomes NaN or infinite stops there and says at which step;",
-      "under --compare the other optimizers still train, and the run exits with",
-      "status 1 after writing every result, the diverged runs marked.",
-      "",
-      "How long a run takes depends on the machine: the progress line shows the pace",
-      "and the time left, and the run ends by saying how long --compare of every",
-      "optimizer would take at that pace.",
+    "",
+    "The learning rate warms up linearly from 0 over the first 5% of the steps,",
+    "then decays as a cosine to a tenth of its peak.",
+    "",
+    "A run whose loss becomes NaN or infinite stops there and says at which step;",
+    "under --compare the other optimizers still train, and the run exits with",
+    "status 1 after writing every result, the diverged runs marked.",
+    "",
+    "How long a run takes depends on the machine: the progress line shows the pace",
+    "and the time left, and the run ends by saying how long --compare of every",
+    "optimizer would take at that pace.",
   ]
   return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_memopt",
-      description=__doc__.split("\n\n")[0],
-      epilog=_epilog(),
-      formatter_class=_HelpFormatter,
+    prog="python -m optax_memopt",
+    description=__doc__.split("\n\n")[0],
+    epilog=_epilog(),
+    formatter_class=_HelpFormatter,
   )
   which = parser.add_mutually_exclusive_group()
-  which.add_argument("--optimizer", choices=list(optimizers.OPTIMIZERS), default=None,
-                     help="train this optimizer alone (default: neither this nor --compare:"
-                          f" {' and '.join(DEFAULT_RUN)}, compared)")
-  which.add_argument("--compare", nargs="*", metavar="OPTIMIZER", default=None,
-                     help="train each of these optimizers in turn and compare them"
-                          f" (all {len(optimizers.OPTIMIZERS)} when none is named)")
+  which.add_argument(
+    "--optimizer",
+    choices=list(optimizers.OPTIMIZERS),
+    default=None,
+    help=f"train this optimizer alone (default: neither this nor --compare: {' and '.join(DEFAULT_RUN)}, compared)",
+  )
+  which.add_argument(
+    "--compare",
+    nargs="*",
+    metavar="OPTIMIZER",
+    default=None,
+    help="train each of these optimizers in turn and compare them"
+    f" (all {len(optimizers.OPTIMIZERS)} when none is named)",
+  )
   parser.add_argument("--steps", type=_int_at_least(1), default=2000, help="training steps per optimizer")
   sizes = ", ".join(f"{name} {model.parameter_count(c):,}" for name, c in MODEL_SIZES.items())
-  parser.add_argument("--model-size", default="small", choices=list(MODEL_SIZES),
-                      help=f"the Transformer's size (parameters: {sizes})")
+  parser.add_argument(
+    "--model-size", default="small", choices=list(MODEL_SIZES), help=f"the Transformer's size (parameters: {sizes})"
+  )
   parser.add_argument("--batch-size", type=_int_at_least(1), default=16, help="sequences per step")
-  parser.add_argument("--seq-len", type=_int_at_least(1), default=64,
-                      help="bytes per sequence (at most the model's max_len,"
-                           f" {min(c.max_len for c in MODEL_SIZES.values())})")
-  parser.add_argument("--seed", type=_int_at_least(0), default=0,
-                      help="initialisation and batches; the same for every optimizer")
-  parser.add_argument("--learning-rate", type=_learning_rate, default=None,
-                      help="peak learning rate, a finite number >= 0 (default: each"
-                           " optimizer's own, listed below)")
-  parser.add_argument("--corpus", default="pydoc_topics", choices=sorted(loop.data.CORPORA),
-                      help="the text to train on, shipped with Python")
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"),
-                      help="each run writes its JSON, markdown and PNG results into a folder of its"
-                           " own in this one, named after the optimizers it trains (created if missing)")
+  parser.add_argument(
+    "--seq-len",
+    type=_int_at_least(1),
+    default=64,
+    help=f"bytes per sequence (at most the model's max_len, {min(c.max_len for c in MODEL_SIZES.values())})",
+  )
+  parser.add_argument(
+    "--seed", type=_int_at_least(0), default=0, help="initialisation and batches; the same for every optimizer"
+  )
+  parser.add_argument(
+    "--learning-rate",
+    type=_learning_rate,
+    default=None,
+    help="peak learning rate, a finite number >= 0 (default: each optimizer's own, listed below)",
+  )
+  parser.add_argument(
+    "--corpus",
+    default="pydoc_topics",
+    choices=sorted(loop.data.CORPORA),
+    help="the text to train on, shipped with Python",
+  )
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    default=pathlib.Path("results"),
+    help="each run writes its JSON, markdown and PNG results into a folder of its"
+    " own in this one, named after the optimizers it trains (created if missing)",
+  )
   parser.add_argument("--quiet", action="store_true", help="no progress line")
   return parser
 
@@ -193,8 +218,8 @@ def progress_printer(name: str, steps: int):
     done = int(30 * step / steps)
     left = f"  {_duration((steps - step) / steps_per_second)} left" if steps_per_second > 0 else ""
     sys.stderr.write(
-        f"\r{name:>12} [{'#' * done}{'.' * (30 - done)}] {step}/{steps}"
-        f"  loss {loss:.3f}  {steps_per_second:.1f} steps/s{left}\x1b[K"
+      f"\r{name:>12} [{'#' * done}{'.' * (30 - done)}] {step}/{steps}"
+      f"  loss {loss:.3f}  {steps_per_second:.1f} steps/s{left}\x1b[K"
     )
     if step == steps:
       sys.stderr.write("\n")
@@ -211,15 +236,19 @@ def run(name: str, args, config: model.TransformerConfig) -> dict:
   started = time.perf_counter()
   try:
     result = loop.train(
-        config, optimizer, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        seed=args.seed, corpus=args.corpus,
-        progress=None if args.quiet else progress_printer(name, args.steps),
+      config,
+      optimizer,
+      steps=args.steps,
+      batch_size=args.batch_size,
+      seq_len=args.seq_len,
+      seed=args.seed,
+      corpus=args.corpus,
+      progress=None if args.quiet else progress_printer(name, args.steps),
     )
   except loop.NonFiniteLossError as error:
     if not args.quiet:
       sys.stderr.write("\n")
-    print(f"error: {name}: {error} (peak learning rate {peak:g}); try a smaller --learning-rate",
-          file=sys.stderr)
+    print(f"error: {name}: {error} (peak learning rate {peak:g}); try a smaller --learning-rate", file=sys.stderr)
     row = report.summary(name, error.result, diverged_at_step=error.step)
   else:
     row = report.summary(name, result)
@@ -231,23 +260,31 @@ def print_result(row: dict) -> None:
     print(f"{row['optimizer']}: diverged at step {row['diverged_at_step']}", flush=True)
     return
   print(
-      f"{row['optimizer']}: train loss {row['final_train_loss']:.3f} (mean of the last 20 steps),"
-      f" validation loss {row['validation_loss']:.3f}; optimizer state {row['state_bytes']:,}"
-      f" bytes = {row['state_bytes_per_param']:.3f} B/param"
-      + ("" if row["optimizer"] == report.BASELINE else
-         f", {row['adamw_state_bytes'] / row['state_bytes']:.1f}x less than AdamW's"
-         f" {row['adamw_state_bytes_per_param']:.3f}")
-      + f"; {report.milliseconds(row['ms_per_step'])} ms/step", flush=True,
+    f"{row['optimizer']}: train loss {row['final_train_loss']:.3f} (mean of the last 20 steps),"
+    f" validation loss {row['validation_loss']:.3f}; optimizer state {row['state_bytes']:,}"
+    f" bytes = {row['state_bytes_per_param']:.3f} B/param"
+    + (
+      ""
+      if row["optimizer"] == report.BASELINE
+      else f", {row['adamw_state_bytes'] / row['state_bytes']:.1f}x less than AdamW's"
+      f" {row['adamw_state_bytes_per_param']:.3f}"
+    )
+    + f"; {report.milliseconds(row['ms_per_step'])} ms/step",
+    flush=True,
   )
 
 
 def run_title(row: dict, args) -> str:
   """The single-run plot's title: what was trained, and its state next to AdamW's."""
-  title = (f"{row['optimizer']} on {args.corpus}, {args.model_size} model"
-           f" ({row['n_params']:,} parameters): state {row['state_bytes_per_param']:.2f} B/param")
+  title = (
+    f"{row['optimizer']} on {args.corpus}, {args.model_size} model"
+    f" ({row['n_params']:,} parameters): state {row['state_bytes_per_param']:.2f} B/param"
+  )
   if row["optimizer"] != report.BASELINE:
-    title += (f", {row['adamw_state_bytes'] / row['state_bytes']:.1f}x less than"
-              f" AdamW's {row['adamw_state_bytes_per_param']:.2f}")
+    title += (
+      f", {row['adamw_state_bytes'] / row['state_bytes']:.1f}x less than"
+      f" AdamW's {row['adamw_state_bytes_per_param']:.2f}"
+    )
   return title
 
 
@@ -262,10 +299,10 @@ def main(argv=None) -> int:
     names = list(DEFAULT_RUN)
   folder = run_folder(args.out, names)
   print(
-      f"JAX {jax.__version__} on {jax.default_backend()}: {args.model_size} model"
-      f" ({model.parameter_count(config):,} parameters), {args.steps} steps of"
-      f" {args.batch_size}x{args.seq_len} bytes of {args.corpus}, seed {args.seed}:"
-      f" {', '.join(names)}"
+    f"JAX {jax.__version__} on {jax.default_backend()}: {args.model_size} model"
+    f" ({model.parameter_count(config):,} parameters), {args.steps} steps of"
+    f" {args.batch_size}x{args.seq_len} bytes of {args.corpus}, seed {args.seed}:"
+    f" {', '.join(names)}"
   )
   if (folder / RESULTS_JSON).exists():
     print(f"replacing the results of an earlier run in {folder}/")
@@ -278,8 +315,7 @@ def main(argv=None) -> int:
   if len(rows) > 1:
     table = report.markdown_table(rows)
     print(table)
-    title = (f"{args.model_size} model ({rows[0]['n_params']:,} parameters) on {args.corpus},"
-             f" {args.steps} steps")
+    title = f"{args.model_size} model ({rows[0]['n_params']:,} parameters) on {args.corpus}, {args.steps} steps"
   else:
     table = report.markdown_table(rows, baseline=None)
     title = run_title(rows[0], args)
@@ -300,8 +336,10 @@ def next_steps(names: list[str], rows: list[dict]) -> str:
   pace = sum(r["seconds"] for r in rows) / len(rows)
   compare_all = f"--compare alone trains all {every} (about {_duration(every * pace)} at this run's pace)"
   if report.BASELINE not in names:
-    return (f"How close to AdamW does it train? python -m optax_memopt --compare {report.BASELINE}"
-            f" {' '.join(names)} (and this run's options); {compare_all}.")
+    return (
+      f"How close to AdamW does it train? python -m optax_memopt --compare {report.BASELINE}"
+      f" {' '.join(names)} (and this run's options); {compare_all}."
+    )
   return f"Next: python -m optax_memopt --compare NAME ... trains the optimizers you name; {compare_all}."
 
 

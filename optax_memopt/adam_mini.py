@@ -23,10 +23,10 @@ import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
 from optax_memopt.adam_mini_blocks import (
-    Rules,
-    adam_mini_decay_mask,
-    adam_mini_partition,
-    check_partition_arguments,
+  Rules,
+  adam_mini_decay_mask,
+  adam_mini_partition,
+  check_partition_arguments,
 )
 
 
@@ -61,9 +61,7 @@ def _second_moment_dtype(leaf) -> jnp.dtype:
 
 def _interleaved(shape, block_shape):
   """``shape`` with each axis cut into (blocks, elements per block)."""
-  return tuple(
-      size for axis, blocks in zip(shape, block_shape) for size in (blocks, axis // blocks)
-  )
+  return tuple(size for axis, blocks in zip(shape, block_shape) for size in (blocks, axis // blocks))
 
 
 def _block_mean(x: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
@@ -84,15 +82,15 @@ def _divide_by_block(x: jax.Array, per_block: jax.Array) -> jax.Array:
 
 
 def scale_by_adam_mini(
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    *,
-    rules: Rules = "flax",
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    stacked_modules: str | Sequence[str] = (),
-    mu_dtype: jax.typing.DTypeLike | None = None,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  *,
+  rules: Rules = "flax",
+  n_heads: int | None = None,
+  n_kv_heads: int | None = None,
+  stacked_modules: str | Sequence[str] = (),
+  mu_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformation:
   r"""Rescale updates by Adam-mini: Adam with one second moment per block.
 
@@ -172,17 +170,24 @@ def scale_by_adam_mini(
 
   def init_fn(params):
     leaves.check_param_dtypes(
-        params, "adam_mini", supported=_is_inexact,
-        supported_text="floating-point and complex parameters",
+      params,
+      "adam_mini",
+      supported=_is_inexact,
+      supported_text="floating-point and complex parameters",
     )
     partition = adam_mini_partition(
-        params, rules, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        stacked_modules=stacked_modules,
+      params,
+      rules,
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads,
+      stacked_modules=stacked_modules,
     )
-    nu = partition.treedef.unflatten([
+    nu = partition.treedef.unflatten(
+      [
         jnp.zeros(row.block_shape, _second_moment_dtype(param))
         for row, param in zip(partition.rows, jax.tree.leaves(params))
-    ])
+      ]
+    )
     mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), params)
     return ScaleByAdamMiniState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
@@ -215,18 +220,18 @@ def scale_by_adam_mini(
 
 
 def adam_mini(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
-    *,
-    rules: Rules = "flax",
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    stacked_modules: str | Sequence[str] = (),
-    mu_dtype: jax.typing.DTypeLike | None = None,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  mask: Any | Callable[[optax.Params], Any] | None = None,
+  *,
+  rules: Rules = "flax",
+  n_heads: int | None = None,
+  n_kv_heads: int | None = None,
+  stacked_modules: str | Sequence[str] = (),
+  mu_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformation:
   r"""Adam-mini with decoupled weight decay (AdamW-style).
 
@@ -293,12 +298,16 @@ def adam_mini(
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
-      scale_by_adam_mini(
-          b1, b2, eps, rules=rules, n_heads=n_heads, n_kv_heads=n_kv_heads,
-          stacked_modules=stacked_modules, mu_dtype=mu_dtype,
-      ),
-      optax.add_decayed_weights(
-          weight_decay, adam_mini_decay_mask if mask is None else mask
-      ),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_adam_mini(
+      b1,
+      b2,
+      eps,
+      rules=rules,
+      n_heads=n_heads,
+      n_kv_heads=n_kv_heads,
+      stacked_modules=stacked_modules,
+      mu_dtype=mu_dtype,
+    ),
+    optax.add_decayed_weights(weight_decay, adam_mini_decay_mask if mask is None else mask),
+    optax.scale_by_learning_rate(learning_rate),
   )

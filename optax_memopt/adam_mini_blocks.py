@@ -40,8 +40,15 @@ _TORCH_QUERY_NAMES = ("q_proj", "wq", "query")
 _TORCH_KEY_NAMES = ("k_proj", "wk", "key")
 _TORCH_TOKEN_NAMES = ("embed", "embd", "wte", "lm_head", "output", "final_layer")
 _TORCH_NEURON_NAMES = (
-    "v_proj", "wv", "value", "o_proj", "wo", "attn.proj", "feed_forward",
-    "linear", "mlp",
+  "v_proj",
+  "wv",
+  "value",
+  "o_proj",
+  "wo",
+  "attn.proj",
+  "feed_forward",
+  "linear",
+  "mlp",
 )
 # Module names of Flax attention projections, matched exactly.
 _FLAX_QUERY_MODULES = frozenset({"q", "query", "q_proj", "wq"})
@@ -99,9 +106,9 @@ class BlockRule:
     for axis in axes:
       if not -ndim <= axis < ndim:
         raise ValueError(
-            f"Adam-mini rule {self.name!r} uses axis {axis}, but parameter"
-            f" {path!r} has shape {shape}; give it another rule through"
-            " `rules=`."
+          f"Adam-mini rule {self.name!r} uses axis {axis}, but parameter"
+          f" {path!r} has shape {shape}; give it another rule through"
+          " `rules=`."
         )
     for axis in self.keep:
       blocks[axis] = shape[axis]
@@ -109,11 +116,11 @@ class BlockRule:
       axis, groups = self.split
       if groups < 1 or shape[axis] % groups:
         raise ValueError(
-            f"Adam-mini rule {self.name!r} cuts axis {axis} of parameter"
-            f" {path!r} (shape {shape}) into {groups} groups, which does not"
-            f" divide {shape[axis]}. Check n_heads / n_kv_heads (grouped-query"
-            " attention needs n_kv_heads) or give it another rule through"
-            " `rules=`."
+          f"Adam-mini rule {self.name!r} cuts axis {axis} of parameter"
+          f" {path!r} (shape {shape}) into {groups} groups, which does not"
+          f" divide {shape[axis]}. Check n_heads / n_kv_heads (grouped-query"
+          " attention needs n_kv_heads) or give it another rule through"
+          " `rules=`."
         )
       blocks[axis] = groups
     return tuple(blocks)
@@ -128,10 +135,10 @@ PER_TOKEN = BlockRule("per token", keep=(0,))
 
 # Names a rule function may return instead of a BlockRule.
 RULE_NAMES: dict[str, BlockRule] = {
-    "element": PER_ELEMENT,
-    "tensor": WHOLE_TENSOR,
-    "neuron": PER_OUTPUT_NEURON,
-    "token": PER_TOKEN,
+  "element": PER_ELEMENT,
+  "tensor": WHOLE_TENSOR,
+  "neuron": PER_OUTPUT_NEURON,
+  "token": PER_TOKEN,
 }
 
 RuleFn = Callable[[str, jax.ShapeDtypeStruct], Union[BlockRule, str, None]]
@@ -141,9 +148,9 @@ Rules = Union[str, RuleFn, Sequence[Union[str, RuleFn]]]
 def _head_split(path, shape, axis, groups, which):
   if groups is None:
     raise ValueError(
-        f"Adam-mini: parameter {path!r} (shape {tuple(shape)}) is a fused-head"
-        f" {which} projection; pass n_heads= (and n_kv_heads= for"
-        " grouped-query attention) or give it a rule through `rules=`."
+      f"Adam-mini: parameter {path!r} (shape {tuple(shape)}) is a fused-head"
+      f" {which} projection; pass n_heads= (and n_kv_heads= for"
+      " grouped-query attention) or give it a rule through `rules=`."
     )
   return BlockRule("per head", split=(axis, groups))
 
@@ -207,10 +214,10 @@ def flax_rules(n_heads: int | None = None, n_kv_heads: int | None = None) -> Rul
         return _head_split(path, leaf.shape, -1, heads, "query" if is_query else "key")
       if heads is not None and leaf.shape[-2] != heads:
         raise ValueError(
-            f"Adam-mini: parameter {path!r} has shape {tuple(leaf.shape)}, not"
-            f" (in, heads={heads}, head_dim). If its module is stacked by"
-            " scan, name it in stacked_modules=; otherwise give it a rule"
-            " through `rules=`."
+          f"Adam-mini: parameter {path!r} has shape {tuple(leaf.shape)}, not"
+          f" (in, heads={heads}, head_dim). If its module is stacked by"
+          " scan, name it in stacked_modules=; otherwise give it a rule"
+          " through `rules=`."
         )
       return BlockRule("per head", keep=(-2,))
     if module in _FLAX_VALUE_MODULES and ndim == 3:
@@ -295,8 +302,8 @@ def torch_rules(n_heads: int | None = None, n_kv_heads: int | None = None) -> Ru
 
 
 RULE_SETS: dict[str, Callable[..., RuleFn]] = {
-    "flax": flax_rules,
-    "torch": torch_rules,
+  "flax": flax_rules,
+  "torch": torch_rules,
 }
 
 
@@ -308,14 +315,10 @@ def _rule_entries(rules: Rules) -> tuple[Union[str, RuleFn], ...]:
   for entry in entries:
     if isinstance(entry, str):
       if entry not in RULE_SETS:
-        raise ValueError(
-            f"Adam-mini: unknown rule set {entry!r} in `rules`; known sets:"
-            f" {sorted(RULE_SETS)}."
-        )
+        raise ValueError(f"Adam-mini: unknown rule set {entry!r} in `rules`; known sets: {sorted(RULE_SETS)}.")
     elif not callable(entry):
       raise ValueError(
-          "Adam-mini: `rules` entries must be rule-set names or functions"
-          f" (path, leaf) -> rule or None; got {entry!r}."
+        f"Adam-mini: `rules` entries must be rule-set names or functions (path, leaf) -> rule or None; got {entry!r}."
       )
   return entries
 
@@ -328,26 +331,23 @@ def _check_head_counts(n_heads, n_kv_heads):
     if n_heads is None:
       raise ValueError("Adam-mini: n_kv_heads needs n_heads.")
     if n_heads % n_kv_heads:
-      raise ValueError(
-          f"Adam-mini: n_kv_heads={n_kv_heads} must divide n_heads={n_heads}."
-      )
+      raise ValueError(f"Adam-mini: n_kv_heads={n_kv_heads} must divide n_heads={n_heads}.")
 
 
 def _stacked_names(stacked_modules: str | Sequence[str]) -> frozenset[str]:
   names = (stacked_modules,) if isinstance(stacked_modules, str) else tuple(stacked_modules)
   if not all(isinstance(name, str) and name for name in names):
     raise ValueError(
-        "Adam-mini: stacked_modules must be module names (path components),"
-        f" e.g. 'layers'; got {stacked_modules!r}."
+      f"Adam-mini: stacked_modules must be module names (path components), e.g. 'layers'; got {stacked_modules!r}."
     )
   return frozenset(names)
 
 
 def check_partition_arguments(
-    rules: Rules,
-    n_heads: int | None,
-    n_kv_heads: int | None,
-    stacked_modules: str | Sequence[str],
+  rules: Rules,
+  n_heads: int | None,
+  n_kv_heads: int | None,
+  stacked_modules: str | Sequence[str],
 ) -> None:
   """Raises ``ValueError`` naming the first bad argument of :func:`adam_mini_partition`.
 
@@ -391,33 +391,28 @@ class AdamMiniPartition:
 
   def __str__(self) -> str:
     header = ("path", "shape", "rule", "blocks")
-    cells = [header] + [
-        (row.path, str(row.shape), row.rule, f"{row.blocks:,}") for row in self.rows
-    ]
+    cells = [header] + [(row.path, str(row.shape), row.rule, f"{row.blocks:,}") for row in self.rows]
     widths = [max(len(cell[i]) for cell in cells) for i in range(4)]
     lines = [
-        "  ".join(
-            cell[i].rjust(widths[i]) if i == 3 else cell[i].ljust(widths[i])
-            for i in range(4)
-        ).rstrip()
-        for cell in cells
+      "  ".join(cell[i].rjust(widths[i]) if i == 3 else cell[i].ljust(widths[i]) for i in range(4)).rstrip()
+      for cell in cells
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     share = self.n_blocks / max(self.n_params, 1)
     lines.append(
-        f"{len(self.rows)} tensors, {self.n_params:,} parameters,"
-        f" {self.n_blocks:,} blocks (v holds {share:.3%} of Adam's)"
+      f"{len(self.rows)} tensors, {self.n_params:,} parameters,"
+      f" {self.n_blocks:,} blocks (v holds {share:.3%} of Adam's)"
     )
     return "\n".join(lines)
 
 
 def adam_mini_partition(
-    params: Any,
-    rules: Rules = "flax",
-    *,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    stacked_modules: str | Sequence[str] = (),
+  params: Any,
+  rules: Rules = "flax",
+  *,
+  n_heads: int | None = None,
+  n_kv_heads: int | None = None,
+  stacked_modules: str | Sequence[str] = (),
 ) -> AdamMiniPartition:
   """The Adam-mini block of every parameter, printable as a table.
 
@@ -464,8 +459,7 @@ def adam_mini_partition(
   check_partition_arguments(rules, n_heads, n_kv_heads, stacked_modules)
   stacked = _stacked_names(stacked_modules)
   functions = [
-      RULE_SETS[entry](n_heads, n_kv_heads) if isinstance(entry, str) else entry
-      for entry in _rule_entries(rules)
+    RULE_SETS[entry](n_heads, n_kv_heads) if isinstance(entry, str) else entry for entry in _rule_entries(rules)
   ]
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   rows = []
@@ -475,9 +469,9 @@ def adam_mini_partition(
     n_layer_axes = sum(name in stacked for name in path.split("/"))
     if n_layer_axes > len(shape):
       raise ValueError(
-          f"Adam-mini: parameter {path!r} of shape {shape} lies under"
-          f" {n_layer_axes} stacked module(s) but has fewer axes; check"
-          " stacked_modules."
+        f"Adam-mini: parameter {path!r} of shape {shape} lies under"
+        f" {n_layer_axes} stacked module(s) but has fewer axes; check"
+        " stacked_modules."
       )
     layer_leaf = jax.ShapeDtypeStruct(shape[n_layer_axes:], jnp.result_type(leaf))
     rule = _first_rule(functions, path, layer_leaf)
@@ -496,19 +490,19 @@ def _first_rule(functions, path, leaf) -> BlockRule:
     if isinstance(rule, str):
       if rule not in RULE_NAMES:
         raise ValueError(
-            f"Adam-mini: unknown rule name {rule!r} for parameter {path!r};"
-            f" known names: {sorted(RULE_NAMES)} (or return a BlockRule)."
+          f"Adam-mini: unknown rule name {rule!r} for parameter {path!r};"
+          f" known names: {sorted(RULE_NAMES)} (or return a BlockRule)."
         )
       return RULE_NAMES[rule]
     if not isinstance(rule, BlockRule):
       raise ValueError(
-          f"Adam-mini: a rule function returned {rule!r} for parameter"
-          f" {path!r}; expected a BlockRule, a rule name or None."
+        f"Adam-mini: a rule function returned {rule!r} for parameter"
+        f" {path!r}; expected a BlockRule, a rule name or None."
       )
     return rule
   raise ValueError(
-      f"Adam-mini: no entry of `rules` matched parameter {path!r}; end"
-      " `rules` with a rule set such as 'flax' or 'torch' to cover the rest."
+    f"Adam-mini: no entry of `rules` matched parameter {path!r}; end"
+    " `rules` with a rule set such as 'flax' or 'torch' to cover the rest."
   )
 
 
@@ -532,8 +526,6 @@ def adam_mini_decay_mask(params: Any) -> Any:
     {'dense': {'bias': False, 'kernel': True}, 'ln_f': {'scale': False}}
   """
   return jax.tree_util.tree_map_with_path(
-      lambda key_path, _: not any(
-          part in path_name(key_path).lower() for part in _NO_DECAY_NAMES
-      ),
-      params,
+    lambda key_path, _: not any(part in path_name(key_path).lower() for part in _NO_DECAY_NAMES),
+    params,
   )

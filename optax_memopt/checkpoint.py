@@ -27,7 +27,7 @@ from optax_memopt.taco import ScaleByTacoState
 
 # Per state class: {today's field name: the name checkpoints saved it under}.
 SAVED_NAMES: dict[type, dict[str, str]] = {
-    ScaleByTacoState: {"indices": "index", "scales": "scale"},
+  ScaleByTacoState: {"indices": "index", "scales": "scale"},
 }
 
 

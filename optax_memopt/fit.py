@@ -43,17 +43,17 @@ from optax_memopt.training import model, optimizers
 # Llama-style decoders in this library's Flax layout (``training.model``):
 # untied input embedding and output head, no biases, RMSNorm scales.
 MODELS: dict[str, model.TransformerConfig] = {
-    # Touvron et al., "Llama 2", arXiv 2307.09288; the published Hugging Face configs.
-    "llama2_7b": model.TransformerConfig(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
-    ),
-    "llama2_13b": model.TransformerConfig(
-        vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, max_len=4096
-    ),
-    # The main job's model sizes (``python -m optax_memopt --model-size``).
-    "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
-    "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-    "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
+  # Touvron et al., "Llama 2", arXiv 2307.09288; the published Hugging Face configs.
+  "llama2_7b": model.TransformerConfig(
+    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
+  ),
+  "llama2_13b": model.TransformerConfig(
+    vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, max_len=4096
+  ),
+  # The main job's model sizes (``python -m optax_memopt --model-size``).
+  "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
+  "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+  "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
 }
 
 # The row whose state is built from float32 copies of the parameters.
@@ -97,8 +97,8 @@ def parse_memory(text: str | int | Memory) -> Memory:
   unit = match.group(2).upper() if match else ""
   if not match or (unit and unit not in _DECIMAL_UNITS and unit not in _BINARY_UNITS):
     raise ValueError(
-        f"memory must be a size such as 80GB, 80GiB or 512MiB, or a number of bytes (units B, KB, MB, GB, TB,"
-        f" KiB, MiB, GiB, TiB); got {text!r}."
+      f"memory must be a size such as 80GB, 80GiB or 512MiB, or a number of bytes (units B, KB, MB, GB, TB,"
+      f" KiB, MiB, GiB, TiB); got {text!r}."
     )
   nbytes = int(float(match.group(1)) * (_BINARY_UNITS.get(unit) or _DECIMAL_UNITS.get(unit or "B")))
   if nbytes < 1:
@@ -156,8 +156,10 @@ class FitReport:
   def __str__(self) -> str:
     size = (self.memory or Memory(0)).format
     where = f"per device, sharded over {self.devices} devices" if self.devices > 1 else "one device"
-    lines = [f"{self.title}: {self.n_params:,} parameters; {where}"
-             + (f", {size(self.memory.nbytes)} each" if self.memory else "")]
+    lines = [
+      f"{self.title}: {self.n_params:,} parameters; {where}"
+      + (f", {size(self.memory.nbytes)} each" if self.memory else "")
+    ]
     header = ["optimizer", "state dtypes", "state B/param", "parameters", "gradients", "optimizer state", "total"]
     if self.memory:
       header += ["headroom", "fits"]
@@ -166,8 +168,15 @@ class FitReport:
       if row.error:
         lines.append(f"| {row.optimizer} | cannot be built: {row.error} |" + " |" * (len(header) - 2))
         continue
-      cells = [row.optimizer, row.state_dtypes, f"{row.state_bytes_per_param:.3f}", size(row.param_bytes),
-               size(row.gradient_bytes), size(row.state_bytes), size(row.total_bytes)]
+      cells = [
+        row.optimizer,
+        row.state_dtypes,
+        f"{row.state_bytes_per_param:.3f}",
+        size(row.param_bytes),
+        size(row.gradient_bytes),
+        size(row.state_bytes),
+        size(row.total_bytes),
+      ]
       if self.memory:
         cells += [size(self.memory.nbytes - row.total_bytes), "yes" if self.fits(row.optimizer) else "no"]
       lines.append("| " + " | ".join(cells) + " |")
@@ -181,8 +190,8 @@ def _abstract(params: Any, param_dtype: Any) -> Any:
   def convert(path, leaf):
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
       raise ValueError(
-          f"params must be arrays or jax.ShapeDtypeStruct (for example from jax.eval_shape); leaf"
-          f" {leaves.path_name(path)!r} is a {type(leaf).__name__}."
+        f"params must be arrays or jax.ShapeDtypeStruct (for example from jax.eval_shape); leaf"
+        f" {leaves.path_name(path)!r} is a {type(leaf).__name__}."
       )
     dtype = leaf.dtype
     if param_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
@@ -206,7 +215,7 @@ def _state_dtypes(state: Any) -> str:
     fields[field] = fields.get(field, 0) + state_nbytes(leaf)
   ranked = sorted(by_dtype.items(), key=lambda item: -sum(item[1].values()))
   return ", ".join(
-      f"{dtype} ({', '.join(fields)})" for dtype, fields in ranked if sum(fields.values()) >= LISTED_SHARE * total
+    f"{dtype} ({', '.join(fields)})" for dtype, fields in ranked if sum(fields.values()) >= LISTED_SHARE * total
   )
 
 
@@ -228,15 +237,15 @@ def _per_device_nbytes(tree: Any, shardings: Any) -> int:
 
 
 def report(
-    params: Any,
-    *,
-    memory: str | int | Memory | None = None,
-    devices: int = 1,
-    param_dtype: Any = None,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    optimizer_names: Sequence[str] | None = None,
-    title: str = "parameters",
+  params: Any,
+  *,
+  memory: str | int | Memory | None = None,
+  devices: int = 1,
+  param_dtype: Any = None,
+  n_heads: int | None = None,
+  n_kv_heads: int | None = None,
+  optimizer_names: Sequence[str] | None = None,
+  title: str = "parameters",
 ) -> FitReport:
   """Per-device bytes of parameters, gradients and state for every optimizer, and whether they fit.
 
@@ -317,8 +326,9 @@ def report(
     state_bytes = total_state
     if mesh is not None:
       state_bytes = _per_device_nbytes(state, state_shardings(state, init_shapes, param_shardings, mesh))
-    rows.append(Row(name, param_bytes, param_bytes, state_bytes, total_state / n_params,
-                    state_dtypes=_state_dtypes(state)))
+    rows.append(
+      Row(name, param_bytes, param_bytes, state_bytes, total_state / n_params, state_dtypes=_state_dtypes(state))
+    )
   return FitReport(tuple(rows), n_params, devices, device_memory, title)
 
 
@@ -331,21 +341,31 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_memopt.fit",
-      description=__doc__.split("\n\n")[0],
-      formatter_class=_DefaultsHelpFormatter,
+    prog="python -m optax_memopt.fit",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=_DefaultsHelpFormatter,
   )
   parser.add_argument("--model", default="llama2_7b", help=f"one of {', '.join(MODELS)}")
-  parser.add_argument("--memory", default=None,
-                      help="one device's memory, e.g. 80GB (decimal) or 80GiB (binary); none: bytes only")
+  parser.add_argument(
+    "--memory", default=None, help="one device's memory, e.g. 80GB (decimal) or 80GiB (binary); none: bytes only"
+  )
   parser.add_argument("--param-dtype", default="float32", help="dtype of parameters and gradients, e.g. bfloat16")
   parser.add_argument("--devices", type=int, default=1, help="devices the model is sharded over (FSDP)")
-  parser.add_argument("--optimizers", nargs="+", default=None, metavar="OPTIMIZER",
-                      help=f"a subset of {', '.join(optimizers.OPTIMIZERS)} (default: all)")
-  parser.add_argument("--compile", choices=["h100"], default=None,
-                      help="also compile each optimizer's step for this GPU (no GPU needed; needs the"
-                      " gpu-compile extra) and report XLA's peak per device beside the arithmetic"
-                      " (default: no compile)")
+  parser.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=None,
+    metavar="OPTIMIZER",
+    help=f"a subset of {', '.join(optimizers.OPTIMIZERS)} (default: all)",
+  )
+  parser.add_argument(
+    "--compile",
+    choices=["h100"],
+    default=None,
+    help="also compile each optimizer's step for this GPU (no GPU needed; needs the"
+    " gpu-compile extra) and report XLA's peak per device beside the arithmetic"
+    " (default: no compile)",
+  )
   args = parser.parse_args(argv)
   if args.compile:
     # Before JAX starts its backends: the module sets the CUDA plugin's environment.
@@ -378,16 +398,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
   config = MODELS[args.model]
   result = report(
-      model_params(args.model, param_dtype), memory=memory, devices=args.devices,
-      n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, optimizer_names=args.optimizers,
-      title=f"{args.model} ({param_dtype.name})",
+    model_params(args.model, param_dtype),
+    memory=memory,
+    devices=args.devices,
+    n_heads=config.n_heads,
+    n_kv_heads=config.n_kv_heads,
+    optimizer_names=args.optimizers,
+    title=f"{args.model} ({param_dtype.name})",
   )
   print(result)
   if args.compile:
     compiled = gpu_compile.peak_report(
-        model_params(args.model, param_dtype), target=args.compile, devices=args.devices,
-        optimizer_names=args.optimizers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
-        memory=None if memory is None else memory.nbytes, title=f"{args.model} ({param_dtype.name})",
+      model_params(args.model, param_dtype),
+      target=args.compile,
+      devices=args.devices,
+      optimizer_names=args.optimizers,
+      n_heads=config.n_heads,
+      n_kv_heads=config.n_kv_heads,
+      memory=None if memory is None else memory.nbytes,
+      title=f"{args.model} ({param_dtype.name})",
     )
     print()
     print(compiled)

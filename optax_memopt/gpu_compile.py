@@ -48,8 +48,8 @@ from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
 TARGETS = ("h100",)
 
 INSTALL_HINT = (
-    'pip install "optax-memopt[gpu-compile]" (JAX\'s CUDA plugin at the installed JAX version,'
-    " about 5.5 GB; no GPU or driver needed)"
+  'pip install "optax-memopt[gpu-compile]" (JAX\'s CUDA plugin at the installed JAX version,'
+  " about 5.5 GB; no GPU or driver needed)"
 )
 
 
@@ -76,8 +76,8 @@ def target_devices(target: str = "h100", devices: int = 1) -> tuple[Any, ...]:
     topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x1x{devices}")
   except (NotImplementedError, RuntimeError) as error:
     raise GpuCompilerMissing(
-        f"Compiling for an {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
-        " and run with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 if JAX started before this module set it."
+      f"Compiling for an {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
+      " and run with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 if JAX started before this module set it."
     ) from error
   return tuple(topology.devices)
 
@@ -85,8 +85,23 @@ def target_devices(target: str = "h100", devices: int = 1) -> tuple[Any, ...]:
 # -- counting the bytes of an optimized HLO module ------------------------------
 
 _BYTES_PER_ELEMENT = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+  "pred": 1,
+  "s4": 0.5,
+  "u4": 0.5,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
 }
 _ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+|c\d+|f8e\w+?)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
@@ -94,8 +109,15 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Operations that move no memory: names, views, bookkeeping, and the second
 # half of an asynchronous pair (its first half is counted).
 _FREE = {
-    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
-    "replica-id", "opt-barrier",
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "bitcast",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "opt-barrier",
 }
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r"\b(?:body|calls|to_apply|condition)=%?([\w.\-]+)")
@@ -231,11 +253,11 @@ def _per_device_bytes(tree: Any) -> int:
 
 
 def compile_step(
-    tx: optax.GradientTransformation,
-    params: Any,
-    *,
-    target: str = "h100",
-    devices: int = 1,
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  target: str = "h100",
+  devices: int = 1,
 ) -> StepProgram:
   """Compiles ``tx``'s donated step (update, then ``optax.apply_updates``) for ``target``.
 
@@ -274,24 +296,24 @@ def compile_step(
     return optax.apply_updates(params, updates), state
 
   compiled = (
-      jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_shardings, state_sharding))
-      .lower(placed_params, placed_state, placed_params)
-      .compile()
+    jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_shardings, state_sharding))
+    .lower(placed_params, placed_state, placed_params)
+    .compile()
   )
   memory = compiled.memory_analysis()
   hlo = compiled.as_text()
   param_bytes = _per_device_bytes(placed_params)
   return StepProgram(
-      n_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
-      param_bytes=param_bytes,
-      gradient_bytes=param_bytes,
-      state_bytes=_per_device_bytes(placed_state),
-      moved_bytes=bytes_moved(hlo),
-      argument_bytes=memory.argument_size_in_bytes,
-      output_bytes=memory.output_size_in_bytes,
-      alias_bytes=memory.alias_size_in_bytes,
-      temp_bytes=memory.temp_size_in_bytes,
-      hlo=hlo,
+    n_params=sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)),
+    param_bytes=param_bytes,
+    gradient_bytes=param_bytes,
+    state_bytes=_per_device_bytes(placed_state),
+    moved_bytes=bytes_moved(hlo),
+    argument_bytes=memory.argument_size_in_bytes,
+    output_bytes=memory.output_size_in_bytes,
+    alias_bytes=memory.alias_size_in_bytes,
+    temp_bytes=memory.temp_size_in_bytes,
+    hlo=hlo,
   )
 
 
@@ -333,33 +355,32 @@ class PeakReport:
   def __str__(self) -> str:
     gb = _decimal_bytes
     lines = [
-        f"{self.title}: {self.n_params:,} parameters, the step compiled by XLA for {self.devices} x"
-        f" {self.target.upper()}; per device, {gb(self.memory)} each",
-        "",
-        "| optimizer | params + grads + state | XLA's peak | temporaries | fits |",
-        "|---|---|---|---|---|",
+      f"{self.title}: {self.n_params:,} parameters, the step compiled by XLA for {self.devices} x"
+      f" {self.target.upper()}; per device, {gb(self.memory)} each",
+      "",
+      "| optimizer | params + grads + state | XLA's peak | temporaries | fits |",
+      "|---|---|---|---|---|",
     ]
     for row in self.rows:
       if row.error is not None:
         lines.append(f"| {row.optimizer} | {gb(row.arithmetic_bytes)} | not compiled: {row.error} | | |")
         continue
       fits = "yes" if row.peak_bytes <= self.memory else "no"
-      lines.append(
-          f"| {row.optimizer} | {gb(row.arithmetic_bytes)} | {gb(row.peak_bytes)} | {gb(row.temporaries_bytes)} | {fits} |"
-      )
+      cells = (row.optimizer, gb(row.arithmetic_bytes), gb(row.peak_bytes), gb(row.temporaries_bytes), fits)
+      lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
 def peak_report(
-    params: Any,
-    *,
-    target: str = "h100",
-    devices: int = 1,
-    optimizer_names: Sequence[str] | None = None,
-    n_heads: int | None = None,
-    n_kv_heads: int | None = None,
-    memory: int | None = None,
-    title: str = "model",
+  params: Any,
+  *,
+  target: str = "h100",
+  devices: int = 1,
+  optimizer_names: Sequence[str] | None = None,
+  n_heads: int | None = None,
+  n_kv_heads: int | None = None,
+  memory: int | None = None,
+  title: str = "model",
 ) -> PeakReport:
   """Every optimizer's step compiled for ``devices`` GPUs of ``target``: XLA's peak per device.
 

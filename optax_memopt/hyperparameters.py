@@ -17,12 +17,12 @@ from typing import Any
 from pallas_kernels.static_args import check_fraction, check_int, check_static
 
 __all__ = [
-    "check_decay_rate",
-    "check_fraction",
-    "check_int",
-    "check_learning_rate",
-    "check_non_negative",
-    "check_static",
+  "check_decay_rate",
+  "check_fraction",
+  "check_int",
+  "check_learning_rate",
+  "check_non_negative",
+  "check_static",
 ]
 
 

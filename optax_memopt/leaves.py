@@ -40,8 +40,12 @@ def is_real_floating(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
 
 
-def check_param_dtypes(params: Any, optimizer: str, supported=is_real_floating,
-                       supported_text: str = "real floating-point parameters (float16, bfloat16, float32, float64)") -> None:
+def check_param_dtypes(
+  params: Any,
+  optimizer: str,
+  supported=is_real_floating,
+  supported_text: str = "real floating-point parameters (float16, bfloat16, float32, float64)",
+) -> None:
   """Raises ``ValueError`` at the first array leaf of ``params`` whose dtype ``supported`` rejects.
 
   The message names the optimizer, the leaf's path and dtype, what is
@@ -51,8 +55,8 @@ def check_param_dtypes(params: Any, optimizer: str, supported=is_real_floating,
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and not supported(dtype):
       raise ValueError(
-          f"{optimizer} supports {supported_text}; parameter {path_name(path)!r} is {jnp.dtype(dtype).name}."
-          " Route it to another optimizer with optax.partition."
+        f"{optimizer} supports {supported_text}; parameter {path_name(path)!r} is {jnp.dtype(dtype).name}."
+        " Route it to another optimizer with optax.partition."
       )
 
 

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-
 from pallas_kernels import lowbit_adamw_update as fused_step
 from pallas_kernels import xla_cpu
 
@@ -69,8 +68,11 @@ class ScaleByLowbitAdamState(NamedTuple):
   nu_scales: optax.Updates  # As mu_scales.
 
   field_layouts = {
-      "count": sharding.Layout.REPLICATED, "mu": sharding.Layout.PARAM, "nu": sharding.Layout.PARAM,
-      "mu_scales": sharding.Layout.BLOCK_SCALES, "nu_scales": sharding.Layout.BLOCK_SCALES,
+    "count": sharding.Layout.REPLICATED,
+    "mu": sharding.Layout.PARAM,
+    "nu": sharding.Layout.PARAM,
+    "mu_scales": sharding.Layout.BLOCK_SCALES,
+    "nu_scales": sharding.Layout.BLOCK_SCALES,
   }
 
 
@@ -84,13 +86,13 @@ def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_
 
 
 def scale_by_lowbit_adam(
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    *,
-    state_format: str = "8bit",
-    block_size: int | None = None,
-    min_quantized_size: int = 4096,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  *,
+  state_format: str = "8bit",
+  block_size: int | None = None,
+  min_quantized_size: int = 4096,
 ) -> optax.GradientTransformation:
   r"""Rescales updates like Adam, with the moments stored in 8 bits, 4 bits or fp8.
 
@@ -175,14 +177,14 @@ def scale_by_lowbit_adam(
     def update_leaf(grad, mu, nu, mu_scales, nu_scales):
       if quantized(grad):
         direction, moments = fused_step.lowbit_adamw_update(
-            grad,
-            fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales),
-            count=count,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            state_format=state_format,
-            block_size=block_size,
+          grad,
+          fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales),
+          count=count,
+          b1=b1,
+          b2=b2,
+          eps=eps,
+          state_format=state_format,
+          block_size=block_size,
         )
         return direction, *moments
       mu, nu = fused_step.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
@@ -209,36 +211,36 @@ def _alias(state_format: str, default_block_size: int):
   name = _ALIASES[state_format]
 
   def alias(
-      learning_rate: optax.ScalarOrSchedule,
-      b1: jax.typing.ArrayLike = 0.9,
-      b2: jax.typing.ArrayLike = 0.999,
-      eps: jax.typing.ArrayLike = 1e-8,
-      weight_decay: jax.typing.ArrayLike = 0.0,
-      mask: Any = None,
-      *,
-      block_size: int = default_block_size,
-      min_quantized_size: int = 4096,
+    learning_rate: optax.ScalarOrSchedule,
+    b1: jax.typing.ArrayLike = 0.9,
+    b2: jax.typing.ArrayLike = 0.999,
+    eps: jax.typing.ArrayLike = 1e-8,
+    weight_decay: jax.typing.ArrayLike = 0.0,
+    mask: Any = None,
+    *,
+    block_size: int = default_block_size,
+    min_quantized_size: int = 4096,
   ) -> optax.GradientTransformation:
     hyperparameters.check_learning_rate(learning_rate)
     hyperparameters.check_non_negative("weight_decay", weight_decay)
     return optax.chain(
-        scale_by_lowbit_adam(
-            b1,
-            b2,
-            eps,
-            state_format=state_format,
-            block_size=block_size,
-            min_quantized_size=min_quantized_size,
-        ),
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.scale_by_learning_rate(learning_rate),
+      scale_by_lowbit_adam(
+        b1,
+        b2,
+        eps,
+        state_format=state_format,
+        block_size=block_size,
+        min_quantized_size=min_quantized_size,
+      ),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
     )
 
   alias.__name__ = alias.__qualname__ = name
   return alias
 
 
-_ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})``, decoupled weight decay, learning rate.
+_ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})``, weight decay, learning rate.
 
   ``chain(scale_by_lowbit_adam(b1, b2, eps, state_format={fmt!r}, ...),
   add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``:
@@ -277,19 +279,28 @@ _ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})`
 
 adamw_8bit = _alias("8bit", 256)
 adamw_8bit.__doc__ = _ALIAS_DOC.format(
-    what="8-bit moments (bitsandbytes' dynamic maps, blocks of 256)",
-    fmt="8bit", bytes="2.03", block=256, name="adamw_8bit",
-    reference='Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022 (https://arxiv.org/abs/2110.02861).',
+  what="8-bit moments (bitsandbytes' dynamic maps, blocks of 256)",
+  fmt="8bit",
+  bytes="2.03",
+  block=256,
+  name="adamw_8bit",
+  reference='Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022 (https://arxiv.org/abs/2110.02861).',
 )
 adamw_4bit = _alias("4bit", 128)
 adamw_4bit.__doc__ = _ALIAS_DOC.format(
-    what="4-bit moments (dynamic map for m, linear map without zero for v, blocks of 128)",
-    fmt="4bit", bytes="1.06", block=128, name="adamw_4bit",
-    reference='Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023 (https://arxiv.org/abs/2309.01507).',
+  what="4-bit moments (dynamic map for m, linear map without zero for v, blocks of 128)",
+  fmt="4bit",
+  bytes="1.06",
+  block=128,
+  name="adamw_4bit",
+  reference='Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023 (https://arxiv.org/abs/2309.01507).',
 )
 adamw_fp8 = _alias("fp8", 256)
 adamw_fp8.__doc__ = _ALIAS_DOC.format(
-    what="float8 e4m3fn moments (scale absmax / 448, blocks of 256)",
-    fmt="fp8", bytes="2.03", block=256, name="adamw_fp8",
-    reference="torchao's ``AdamWFp8`` (https://github.com/pytorch/ao, torchao/optim).",
+  what="float8 e4m3fn moments (scale absmax / 448, blocks of 256)",
+  fmt="fp8",
+  bytes="2.03",
+  block=256,
+  name="adamw_fp8",
+  reference="torchao's ``AdamWFp8`` (https://github.com/pytorch/ao, torchao/optim).",
 )

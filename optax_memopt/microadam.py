@@ -46,15 +46,15 @@ class ScaleByMicroAdamState(NamedTuple):
   error: quantize.QuantizedArray
 
   field_layouts = {
-      "count": sharding.Layout.REPLICATED,
-      "indices": sharding.Layout.FLAT,
-      "values": sharding.Layout.FLAT,
-      "error": sharding.Layout.FLAT,
+    "count": sharding.Layout.REPLICATED,
+    "indices": sharding.Layout.FLAT,
+    "values": sharding.Layout.FLAT,
+    "error": sharding.Layout.FLAT,
   }
 
 
 def _check_hyperparameters(
-    b1, b2, eps, window, density, block_size, bucket_size, implementation
+  b1, b2, eps, window, density, block_size, bucket_size, implementation
 ) -> tuple[int, float, int, int]:
   """The shape-fixing hyper-parameters as Python numbers; a ``ValueError`` naming a bad one."""
   hyperparameters.check_decay_rate("b1", b1)
@@ -63,8 +63,11 @@ def _check_hyperparameters(
   window = hyperparameters.check_int("window", window, 1)
   density = hyperparameters.check_fraction("density", density)
   block_size = hyperparameters.check_int(
-      "block_size", block_size, 1, static_args.INT16_INDEX_LIMIT,
-      hint=" (block-local indices are stored as int16)",
+    "block_size",
+    block_size,
+    1,
+    static_args.INT16_INDEX_LIMIT,
+    hint=" (block-local indices are stored as int16)",
   )
   bucket_size = hyperparameters.check_int("bucket_size", bucket_size, 1)
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
@@ -72,22 +75,22 @@ def _check_hyperparameters(
   dispatch.check(implementation)
   if implementation in ("pallas", "interpret") and block_size % topk.KERNEL_ROW:
     raise ValueError(
-        f"block_size must be a multiple of {topk.KERNEL_ROW} for the Pallas top-k kernel (a block is"
-        f" whole rows of {topk.KERNEL_ROW}); got {block_size}. Use implementation='xla' for other block sizes."
+      f"block_size must be a multiple of {topk.KERNEL_ROW} for the Pallas top-k kernel (a block is"
+      f" whole rows of {topk.KERNEL_ROW}); got {block_size}. Use implementation='xla' for other block sizes."
     )
   return window, density, block_size, bucket_size
 
 
 def scale_by_microadam(
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    *,
-    window: int = 10,
-    density: float = 0.01,
-    block_size: int = 16384,
-    bucket_size: int = 1024,
-    implementation: dispatch.Implementation = None,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  *,
+  window: int = 10,
+  density: float = 0.01,
+  block_size: int = 16384,
+  bucket_size: int = 1024,
+  implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """Rescale updates by MicroAdam's window of sparse gradients.
 
@@ -186,7 +189,7 @@ def scale_by_microadam(
     https://arxiv.org/abs/2405.15593
   """
   window, density, block_size, bucket_size = _check_hyperparameters(
-      b1, b2, eps, window, density, block_size, bucket_size, implementation
+    b1, b2, eps, window, density, block_size, bucket_size, implementation
   )
 
   def init_fn(params):
@@ -205,16 +208,14 @@ def scale_by_microadam(
     # The error of zeros as the quantizer stores it (constant buckets: code 0,
     # min = max = 0), built directly rather than computed.
     return ScaleByMicroAdamState(
-        count=jnp.zeros([], jnp.int32),
-        indices=ring(jnp.int16),
-        values=ring(jnp.bfloat16),
-        error=quantize.QuantizedArray(
-            codes=jax.tree.map(
-                lambda p: jnp.zeros((math.ceil(p.size * ERROR_BITS / 8),), jnp.uint8), params
-            ),
-            minimum=jax.tree.map(zero_statistics, params),
-            maximum=jax.tree.map(zero_statistics, params),
-        ),
+      count=jnp.zeros([], jnp.int32),
+      indices=ring(jnp.int16),
+      values=ring(jnp.bfloat16),
+      error=quantize.QuantizedArray(
+        codes=jax.tree.map(lambda p: jnp.zeros((math.ceil(p.size * ERROR_BITS / 8),), jnp.uint8), params),
+        minimum=jax.tree.map(zero_statistics, params),
+        maximum=jax.tree.map(zero_statistics, params),
+      ),
     )
 
   def update_fn(updates, state, params=None):
@@ -225,29 +226,29 @@ def scale_by_microadam(
     def update_leaf(gradient, indices, values, *error):
       # Error feedback: a = g + dequant(e).
       accumulated = quantize.dequantize_add(
-          quantize.QuantizedArray(*error),
-          gradient.reshape(-1).astype(jnp.float32),
-          bits=ERROR_BITS,
-          bucket_size=bucket_size,
-          implementation=implementation,
+        quantize.QuantizedArray(*error),
+        gradient.reshape(-1).astype(jnp.float32),
+        bits=ERROR_BITS,
+        bucket_size=bucket_size,
+        implementation=implementation,
       )
       # The block top-k of |a| goes to this step's ring row.
       selected, kept = topk.block_topk(
-          accumulated, density=density, block_size=block_size, implementation=implementation
+        accumulated, density=density, block_size=block_size, implementation=implementation
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
       # What top-k left out is the next error, in 4 bits.
       error = quantize.quantize(
-          topk.zero_selected(accumulated, selected, kept, density=density, block_size=block_size),
-          bits=ERROR_BITS,
-          bucket_size=bucket_size,
-          stats_dtype=jnp.bfloat16,
-          implementation=implementation,
+        topk.zero_selected(accumulated, selected, kept, density=density, block_size=block_size),
+        bits=ERROR_BITS,
+        bucket_size=bucket_size,
+        stats_dtype=jnp.bfloat16,
+        implementation=implementation,
       )
       # M and S from the window, and the direction c1 M / (sqrt(c2 S) + eps).
       direction = microadam_update.microadam_update(
-          indices, values, count, b1, b2, eps, size=gradient.size, density=density, block_size=block_size
+        indices, values, count, b1, b2, eps, size=gradient.size, density=density, block_size=block_size
       )
       direction = direction.reshape(gradient.shape).astype(gradient.dtype)
       return (direction, indices, values, *error)
@@ -256,26 +257,24 @@ def scale_by_microadam(
     # (its error feedback and direction) are live at a time, not every leaf's.
     per_leaf = xla_cpu.tree_map(update_leaf, updates, state.indices, state.values, *state.error)
     directions, indices, values, *error = leaves.unzip(updates, per_leaf, 6)
-    return directions, ScaleByMicroAdamState(
-        count, indices, values, quantize.QuantizedArray(*error)
-    )
+    return directions, ScaleByMicroAdamState(count, indices, values, quantize.QuantizedArray(*error))
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
 def microadam(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    mask=None,
-    *,
-    window: int = 10,
-    density: float = 0.01,
-    block_size: int = 16384,
-    bucket_size: int = 1024,
-    implementation: dispatch.Implementation = None,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  mask=None,
+  *,
+  window: int = 10,
+  density: float = 0.01,
+  block_size: int = 16384,
+  bucket_size: int = 1024,
+  implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   """MicroAdam with decoupled weight decay (AdamW style).
 
@@ -328,16 +327,16 @@ def microadam(
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
-      scale_by_microadam(
-          b1,
-          b2,
-          eps,
-          window=window,
-          density=density,
-          block_size=block_size,
-          bucket_size=bucket_size,
-          implementation=implementation,
-      ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_microadam(
+      b1,
+      b2,
+      eps,
+      window=window,
+      density=density,
+      block_size=block_size,
+      bucket_size=bucket_size,
+      implementation=implementation,
+    ),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )

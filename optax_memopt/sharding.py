@@ -71,8 +71,8 @@ def declared_layouts(state: Any) -> list[Layout | None]:
     if declared is not None and isinstance(node, tuple) and hasattr(node, "_fields"):
       if set(declared) != set(node._fields) or not all(isinstance(v, Layout | None) for v in declared.values()):
         raise ValueError(
-            f"{type(node).__name__}.field_layouts must give a Layout (or None) for each of its fields"
-            f" {node._fields}; got {declared!r}."
+          f"{type(node).__name__}.field_layouts must give a Layout (or None) for each of its fields"
+          f" {node._fields}; got {declared!r}."
         )
       return [leaf for field in node._fields for leaf in walk(getattr(node, field), declared[field] or layout)]
     children = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)[0]
@@ -123,16 +123,15 @@ def _owners_in_containers(state: Any, params: Any) -> list[tuple[int, tuple[str,
   ``.inner_opt_state[0].mu.packed['w']`` are not fields of one state.
   """
   param_paths = [
-      (leaves.key_names(path), index)
-      for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+    (leaves.key_names(path), index) for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
   ]
 
   def owner(path):
     keys = leaves.key_names(path)
     matches = [
-        (len(param_path), _last_match(keys, param_path), index)
-        for param_path, index in param_paths
-        if _last_match(keys, param_path) >= 0
+      (len(param_path), _last_match(keys, param_path), index)
+      for param_path, index in param_paths
+      if _last_match(keys, param_path) >= 0
     ]
     if not matches:
       return -1, keys
@@ -162,11 +161,7 @@ def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
   Matrices and higher only: a vector's flat buffers (MicroAdam's
   ``(window, n)`` rings) have the same rank pattern.
   """
-  return (
-      len(shape) >= 2
-      and len(leaf_shape) == len(shape) + 1
-      and leaf_shape[: len(shape) - 1] == shape[:-1]
-  )
+  return len(shape) >= 2 and len(leaf_shape) == len(shape) + 1 and leaf_shape[: len(shape) - 1] == shape[:-1]
 
 
 def _flat_blocks(leaf_shape: tuple, shape: tuple, first_axis_spec: Any, mesh: Mesh) -> bool:
@@ -178,11 +173,11 @@ def _flat_blocks(leaf_shape: tuple, shape: tuple, first_axis_spec: Any, mesh: Me
   """
   first = _mesh_axes(first_axis_spec)
   return (
-      len(shape) >= 2
-      and len(leaf_shape) == 2
-      and leaf_shape[1] == 1
-      and bool(first)
-      and leaf_shape[0] % _shard_count(first, mesh) == 0
+    len(shape) >= 2
+    and len(leaf_shape) == 2
+    and leaf_shape[1] == 1
+    and bool(first)
+    and leaf_shape[0] % _shard_count(first, mesh) == 0
   )
 
 
@@ -195,7 +190,7 @@ def _shard_count(names: Sequence[str], mesh: Mesh) -> int:
 
 
 def _block_major_spec(
-    leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh, *, codes_in_param_layout: bool
+  leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh, *, codes_in_param_layout: bool
 ) -> PartitionSpec:
   """The parameter's spec with its last axis's mesh axes moved to where they divide.
 
@@ -215,10 +210,10 @@ def _block_major_spec(
     return PartitionSpec(*spec[:-1], spec[-1], None)
   rows = _mesh_axes(spec[-2]) + last
   if (
-      not codes_in_param_layout
-      and blocks > 1
-      and shape[-1] % blocks == 0
-      and leaf_shape[-3] % _shard_count(rows, mesh) == 0
+    not codes_in_param_layout
+    and blocks > 1
+    and shape[-1] % blocks == 0
+    and leaf_shape[-3] % _shard_count(rows, mesh) == 0
   ):
     return PartitionSpec(*spec[:-2], rows, None, None)
   return PartitionSpec(*spec[:-1], None, None)
@@ -292,9 +287,9 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   # States with a field in their parameter's own shape (low-bit AdamW's codes),
   # whose per-block scales the partitioner lays out after the parameter's rows.
   codes_in_param_layout = {
-      owner
-      for leaf, owner in zip(state_leaves, state_owners)
-      if owner[0] >= 0 and tuple(leaf.shape) == tuple(param_leaves[owner[0]][0].shape)
+    owner
+    for leaf, owner in zip(state_leaves, state_owners)
+    if owner[0] >= 0 and tuple(leaf.shape) == tuple(param_leaves[owner[0]][0].shape)
   }
 
   def block_major_spec(leaf, owner, *, in_param_layout):
@@ -303,7 +298,7 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
       return None
     return _block_major_spec(
-        leaf.shape, param.shape, param_spec(param, sharding), mesh, codes_in_param_layout=in_param_layout
+      leaf.shape, param.shape, param_spec(param, sharding), mesh, codes_in_param_layout=in_param_layout
     )
 
   def guessed_block_major_spec(leaf, owner):
@@ -362,17 +357,17 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     if owner in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
       return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[owner], None))
     if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
-      return NamedSharding(
-          mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec)))
-      )
+      return NamedSharding(mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec))))
     if owner in codes_in_param_layout and _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
     return NamedSharding(mesh, split_spec(leaf.shape, mesh))
 
-  return treedef.unflatten([
+  return treedef.unflatten(
+    [
       place(leaf, owner) if layout is None else place_declared(leaf, owner, layout)
       for leaf, owner, layout in zip(state_leaves, state_owners, layouts)
-  ])
+    ]
+  )
 
 
 def _explicit_mesh(tree: Any) -> Any:
@@ -396,9 +391,7 @@ def _split_explicit_axes(mesh: Any) -> tuple[str, ...]:
   if mesh.empty:
     return ()
   return tuple(
-      name
-      for name, kind in zip(mesh.axis_names, mesh.axis_types)
-      if kind == AxisType.Explicit and mesh.shape[name] > 1
+    name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit and mesh.shape[name] > 1
   )
 
 

@@ -15,8 +15,8 @@ def _leaf_nbytes(leaf: Any) -> int:
     if isinstance(leaf, (bool, int, float, complex, np.generic)):
       return np.asarray(leaf).nbytes
     raise TypeError(
-        "state_nbytes expects a pytree of arrays or jax.ShapeDtypeStruct"
-        f" leaves; got a leaf of type {type(leaf).__name__}."
+      "state_nbytes expects a pytree of arrays or jax.ShapeDtypeStruct"
+      f" leaves; got a leaf of type {type(leaf).__name__}."
     )
   # Typed PRNG keys are not numpy dtypes but report their own itemsize.
   itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize

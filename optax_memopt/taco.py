@@ -76,7 +76,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-
 from pallas_kernels import dispatch, static_args
 from pallas_kernels.column_select import column_select
 
@@ -127,9 +126,9 @@ class MatrixAxes:
     if len(shape) <= split:
       return None
     return (
-        tuple(shape[: self.batch_dims]),
-        math.prod(shape[self.batch_dims : split]),
-        math.prod(shape[split:]),
+      tuple(shape[: self.batch_dims]),
+      math.prod(shape[self.batch_dims : split]),
+      math.prod(shape[split:]),
     )
 
 
@@ -141,8 +140,8 @@ def _axes_for(matrix_axes: MatrixAxesSpec, path, leaf) -> MatrixAxes:
   axes = matrix_axes(path, leaf) if callable(matrix_axes) else matrix_axes
   if not isinstance(axes, MatrixAxes):
     raise ValueError(
-        "matrix_axes must be a MatrixAxes or a function (path, parameter) ->"
-        f" MatrixAxes; got {axes!r} for {jax.tree_util.keystr(path)}."
+      "matrix_axes must be a MatrixAxes or a function (path, parameter) ->"
+      f" MatrixAxes; got {axes!r} for {jax.tree_util.keystr(path)}."
     )
   return axes
 
@@ -174,10 +173,10 @@ class ScaleByTacoState(NamedTuple):
   scales: optax.Updates
 
   field_layouts = {
-      "count": sharding.Layout.REPLICATED,
-      "indices": sharding.Layout.BLOCKS,
-      "momentum": sharding.Layout.BLOCKS,
-      "scales": sharding.Layout.ROWS,
+    "count": sharding.Layout.REPLICATED,
+    "indices": sharding.Layout.BLOCKS,
+    "momentum": sharding.Layout.BLOCKS,
+    "scales": sharding.Layout.ROWS,
   }
 
 
@@ -202,11 +201,11 @@ def _matrix_shape(axes: MatrixAxes, path, leaf) -> tuple[tuple[int, ...], int, i
   shape = axes.matrix_shape(jnp.shape(leaf))
   if shape is None:
     raise ValueError(
-        f"scale_by_taco needs more than batch_dims + input_dims ="
-        f" {axes.batch_dims + axes.input_dims} axes; parameter"
-        f" {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}. Route it to"
-        " a fallback (optax_memopt.taco's labels, see taco_labels) or pass"
-        " matrix_axes."
+      f"scale_by_taco needs more than batch_dims + input_dims ="
+      f" {axes.batch_dims + axes.input_dims} axes; parameter"
+      f" {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}. Route it to"
+      " a fallback (optax_memopt.taco's labels, see taco_labels) or pass"
+      " matrix_axes."
     )
   return shape
 
@@ -240,12 +239,12 @@ class _Segments:
 
 
 def scale_by_taco(
-    k: int = 16,
-    beta: jax.typing.ArrayLike = 0.9,
-    *,
-    segments: int | None = None,
-    matrix_axes: MatrixAxesSpec = MatrixAxes(),
-    implementation: dispatch.Implementation = None,
+  k: int = 16,
+  beta: jax.typing.ArrayLike = 0.9,
+  *,
+  segments: int | None = None,
+  matrix_axes: MatrixAxesSpec = MatrixAxes(),
+  implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   r"""TACO's direction: per input feature, the sign of its largest output entry.
 
@@ -349,10 +348,10 @@ def scale_by_taco(
     leaves.check_param_dtypes(params, "taco")
     with_path = jax.tree_util.tree_map_with_path
     return ScaleByTacoState(
-        count=jnp.zeros([], jnp.int32),
-        indices=with_path(first_columns, params),
-        momentum=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
-        scales=with_path(unit_scale, params),
+      count=jnp.zeros([], jnp.int32),
+      indices=with_path(first_columns, params),
+      momentum=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
+      scales=with_path(unit_scale, params),
     )
 
   def update_leaf(path, grad, index, codes, scale):
@@ -377,7 +376,7 @@ def scale_by_taco(
     decay = jnp.asarray(beta, jnp.float32)
     weight = (decay / (1 - decay)).astype(jnp.bfloat16).astype(jnp.float32)
     selection = column_select(
-        grads, tracked, weight * momentum, keep=max(cut.per_segment, 1), implementation=implementation
+      grads, tracked, weight * momentum, keep=max(cut.per_segment, 1), implementation=implementation
     )
     columns = selection.index + start
     # The step: the row's largest |U| is the first slot of its largest part
@@ -396,30 +395,28 @@ def scale_by_taco(
     # The heavy hitters: U = (1 - beta) * (U / (1 - beta)) at the selected columns.
     new_codes, new_scale = _quantize((1 - decay) * selection.value.reshape(rows, -1))
     return (
-        direction,
-        columns.astype(index.dtype).reshape(index.shape),
-        new_codes.reshape(codes.shape),
-        new_scale.reshape(scale.shape),
+      direction,
+      columns.astype(index.dtype).reshape(index.shape),
+      new_codes.reshape(codes.shape),
+      new_scale.reshape(scale.shape),
     )
 
   def update_fn(updates, state, params=None):
     del params
-    steps = jax.tree_util.tree_map_with_path(
-        update_leaf, updates, state.indices, state.momentum, state.scales
-    )
+    steps = jax.tree_util.tree_map_with_path(update_leaf, updates, state.indices, state.momentum, state.scales)
     directions, indices, momentum, scales = leaves.unzip(updates, steps, 4)
     return directions, ScaleByTacoState(
-        count=optax.safe_increment(state.count), indices=indices, momentum=momentum, scales=scales
+      count=optax.safe_increment(state.count), indices=indices, momentum=momentum, scales=scales
     )
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
 def taco_labels(
-    params: optax.Params,
-    *,
-    matrix_axes: MatrixAxesSpec = MatrixAxes(),
-    embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
+  params: optax.Params,
+  *,
+  matrix_axes: MatrixAxesSpec = MatrixAxes(),
+  embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
 ) -> Any:
   """Which parameters :func:`taco` steps with TACO and which with its fallback.
 
@@ -465,25 +462,25 @@ def _checked_labels(labels: Any) -> Any:
   for path, label in jax.tree_util.tree_leaves_with_path(labels):
     if label not in (TACO_LABEL, FALLBACK_LABEL):
       raise ValueError(
-          f"labels must be {TACO_LABEL!r} or {FALLBACK_LABEL!r} for every"
-          f" parameter; got {label!r} for {jax.tree_util.keystr(path)}."
+        f"labels must be {TACO_LABEL!r} or {FALLBACK_LABEL!r} for every"
+        f" parameter; got {label!r} for {jax.tree_util.keystr(path)}."
       )
   return labels
 
 
 def taco(
-    learning_rate: optax.ScalarOrSchedule,
-    k: int = 16,
-    beta: jax.typing.ArrayLike = 0.9,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
-    fallback: optax.GradientTransformation | None = None,
-    labels: Any | Callable[[optax.Params], Any] | None = None,
-    *,
-    segments: int | None = None,
-    matrix_axes: MatrixAxesSpec = MatrixAxes(),
-    embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
-    implementation: dispatch.Implementation = None,
+  learning_rate: optax.ScalarOrSchedule,
+  k: int = 16,
+  beta: jax.typing.ArrayLike = 0.9,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  mask: Any | Callable[[optax.Params], Any] | None = None,
+  fallback: optax.GradientTransformation | None = None,
+  labels: Any | Callable[[optax.Params], Any] | None = None,
+  *,
+  segments: int | None = None,
+  matrix_axes: MatrixAxesSpec = MatrixAxes(),
+  embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
+  implementation: dispatch.Implementation = None,
 ) -> optax.GradientTransformation:
   r"""TACO on matrices, a fallback elsewhere, weight decay and learning rate.
 
@@ -557,13 +554,9 @@ def taco(
   if fallback is None:
     fallback = optax.scale_by_adam()
   elif not isinstance(fallback, optax.GradientTransformation):
-    raise ValueError(
-        f"fallback must be an optax.GradientTransformation; got {type(fallback).__name__}."
-    )
+    raise ValueError(f"fallback must be an optax.GradientTransformation; got {type(fallback).__name__}.")
   if labels is None:
-    labels = functools.partial(
-        taco_labels, matrix_axes=matrix_axes, embedding_names=embedding_names
-    )
+    labels = functools.partial(taco_labels, matrix_axes=matrix_axes, embedding_names=embedding_names)
   if callable(labels):
     label_fn = labels
 
@@ -575,19 +568,19 @@ def taco(
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
-      optax.partition(
-          {
-              TACO_LABEL: scale_by_taco(
-                  k,
-                  beta,
-                  segments=segments,
-                  matrix_axes=matrix_axes,
-                  implementation=implementation,
-              ),
-              FALLBACK_LABEL: fallback,
-          },
-          labels,
-      ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    optax.partition(
+      {
+        TACO_LABEL: scale_by_taco(
+          k,
+          beta,
+          segments=segments,
+          matrix_axes=matrix_axes,
+          implementation=implementation,
+        ),
+        FALLBACK_LABEL: fallback,
+      },
+      labels,
+    ),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )

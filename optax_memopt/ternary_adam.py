@@ -83,25 +83,23 @@ import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
 from optax_memopt.ternary_adam_state import (
-    FactoredSecondMoment,
-    ScaleByTernaryAdamState,
-    TernaryMoment,
-    init_state,
-    is_factored,
-    is_ternary,
+  FactoredSecondMoment,
+  ScaleByTernaryAdamState,
+  TernaryMoment,
+  init_state,
+  is_factored,
+  is_ternary,
 )
-
-from pallas_kernels import ternary
-from pallas_kernels import xla_cpu
+from pallas_kernels import ternary, xla_cpu
 from pallas_kernels.blocks import blocks_shape, to_blocks
 from pallas_kernels.ternary_adam_update import block_statistics, ternary_adam_update
 
 __all__ = [
-    "FactoredSecondMoment",
-    "ScaleByTernaryAdamState",
-    "TernaryMoment",
-    "scale_by_ternary_adam",
-    "ternary_adam",
+  "FactoredSecondMoment",
+  "ScaleByTernaryAdamState",
+  "TernaryMoment",
+  "scale_by_ternary_adam",
+  "ternary_adam",
 ]
 
 # Added to g**2 before the factored statistics, as in Adafactor: a gradient
@@ -134,8 +132,7 @@ def _typed_key(key: int | jax.Array) -> jax.Array:
     if jnp.issubdtype(key.dtype, jnp.integer) and key.shape == ():
       return jax.random.key(key)
   raise ValueError(
-      "key must be an int seed or a single JAX PRNG key (typed, or legacy"
-      f" uint32 of shape (2,)); got {key!r}."
+    f"key must be an int seed or a single JAX PRNG key (typed, or legacy uint32 of shape (2,)); got {key!r}."
   )
 
 
@@ -144,8 +141,8 @@ def _check_real(leaf: jax.Array) -> None:
   # without a word, and trits have no complex phase.
   if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
     raise ValueError(
-        f"ternary_adam supports real floating parameters; got a {leaf.dtype} leaf of shape"
-        f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
+      f"ternary_adam supports real floating parameters; got a {leaf.dtype} leaf of shape"
+      f" {leaf.shape}. Route complex parameters to another optimizer with optax.partition."
     )
 
 
@@ -178,14 +175,14 @@ def _rebuild_root(row: jax.Array, col: jax.Array) -> jax.Array:
 
 
 def scale_by_ternary_adam(
-    b1: jax.typing.ArrayLike = 0.5,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    *,
-    block_size: int = 128,
-    min_size: int = 4096,
-    packing: str = "base3",
-    key: int | jax.Array = 0,
+  b1: jax.typing.ArrayLike = 0.5,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  *,
+  block_size: int = 128,
+  min_size: int = 4096,
+  packing: str = "base3",
+  key: int | jax.Array = 0,
 ) -> optax.GradientTransformation:
   """Rescales updates like Adam, with a ternary first moment and factored second.
 
@@ -264,11 +261,11 @@ def scale_by_ternary_adam(
   def init_fn(params):
     leaves.check_param_dtypes(params, "ternary_adam")
     return init_state(
-        params,
-        jax.random.key_data(initial_key),
-        block_size=block_size,
-        min_size=min_size,
-        packing=packing,
+      params,
+      jax.random.key_data(initial_key),
+      block_size=block_size,
+      min_size=min_size,
+      packing=packing,
     )
 
   def update_fn(updates, state, params=None):
@@ -298,8 +295,13 @@ def scale_by_ternary_adam(
         return direction.astype(grad.dtype), packed, scales, mu, row, col, nu
       momentum = ternary.TernaryArray(packed, scales)
       options = dict(
-          seed=seed, count=count, b1=b1, b2=b2, eps=eps, block_size=block_size,
-          packing=packing,
+        seed=seed,
+        count=count,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        block_size=block_size,
+        packing=packing,
       )
       if not is_factored(grad, min_size):
         step = ternary_adam_update(grad, momentum, nu, **options)
@@ -310,23 +312,28 @@ def scale_by_ternary_adam(
       col_means = jnp.mean(jnp.square(grad.astype(jnp.float32)), axis=-2)
       row = b2_ * row + (1 - b2_) * (row_means + _FACTORED_EPS)
       col = b2_ * col + (1 - b2_) * (col_means + _FACTORED_EPS)
-      step = ternary_adam_update(
-          grad, momentum, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options
-      )
+      step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options)
       return step.direction, *step.momentum, mu, row, col, nu
 
     per_leaf = xla_cpu.tree_map(
-        update_leaf, updates, seeds, state.mu.packed, state.mu.scales, state.mu.dense,
-        state.nu.row, state.nu.col, state.nu.dense,
+      update_leaf,
+      updates,
+      seeds,
+      state.mu.packed,
+      state.mu.scales,
+      state.mu.dense,
+      state.nu.row,
+      state.nu.col,
+      state.nu.dense,
     )
     # Each field of the results, as a tree like the gradients (None where
     # a field does not apply to a parameter).
     directions, packed, scales, mu, row, col, nu = leaves.unzip(updates, per_leaf, 7)
     new_state = ScaleByTernaryAdamState(
-        count=count,
-        key=jax.random.key_data(next_key),
-        mu=TernaryMoment(packed=packed, scales=scales, dense=mu),
-        nu=FactoredSecondMoment(row=row, col=col, dense=nu),
+      count=count,
+      key=jax.random.key_data(next_key),
+      mu=TernaryMoment(packed=packed, scales=scales, dense=mu),
+      nu=FactoredSecondMoment(row=row, col=col, dense=nu),
     )
     return directions, new_state
 
@@ -336,17 +343,17 @@ def scale_by_ternary_adam(
 
 
 def ternary_adam(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.5,
-    b2: jax.typing.ArrayLike = 0.999,
-    eps: jax.typing.ArrayLike = 1e-8,
-    weight_decay: jax.typing.ArrayLike = 0.0,
-    mask: Any = None,
-    *,
-    block_size: int = 128,
-    min_size: int = 4096,
-    packing: str = "base3",
-    key: int | jax.Array = 0,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: jax.typing.ArrayLike = 0.5,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  mask: Any = None,
+  *,
+  block_size: int = 128,
+  min_size: int = 4096,
+  packing: str = "base3",
+  key: int | jax.Array = 0,
 ) -> optax.GradientTransformation:
   """Ternary-state AdamW: ``scale_by_ternary_adam``, decoupled weight decay, learning rate.
 
@@ -391,15 +398,15 @@ def ternary_adam(
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
   return optax.chain(
-      scale_by_ternary_adam(
-          b1=b1,
-          b2=b2,
-          eps=eps,
-          block_size=block_size,
-          min_size=min_size,
-          packing=packing,
-          key=key,
-      ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_ternary_adam(
+      b1=b1,
+      b2=b2,
+      eps=eps,
+      block_size=block_size,
+      min_size=min_size,
+      packing=packing,
+      key=key,
+    ),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )

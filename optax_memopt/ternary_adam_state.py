@@ -86,10 +86,8 @@ def is_factored(param: jax.Array, min_size: int) -> bool:
   return is_ternary(param, min_size) and param.ndim >= 2
 
 
-
-
 def init_state(
-    params: optax.Params, key_data: jax.Array, *, block_size: int, min_size: int, packing: str
+  params: optax.Params, key_data: jax.Array, *, block_size: int, min_size: int, packing: str
 ) -> ScaleByTernaryAdamState:
   """Zero moments for ``params``: zero trits and scales, zero statistics."""
 
@@ -109,17 +107,16 @@ def init_state(
     return jnp.zeros(shape, jnp.float32)
 
   return ScaleByTernaryAdamState(
-      count=jnp.zeros([], jnp.int32),
-      key=key_data,
-      mu=TernaryMoment(
-          packed=jax.tree.map(lambda p: zero_trits(p)[0], params),
-          scales=jax.tree.map(lambda p: zero_trits(p)[1], params),
-          dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_size)), params),
-      ),
-      nu=FactoredSecondMoment(
-          row=jax.tree.map(lambda p: zero_statistic(p, -1), params),
-          col=jax.tree.map(lambda p: zero_statistic(p, -2), params),
-          dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_size)), params),
-      ),
+    count=jnp.zeros([], jnp.int32),
+    key=key_data,
+    mu=TernaryMoment(
+      packed=jax.tree.map(lambda p: zero_trits(p)[0], params),
+      scales=jax.tree.map(lambda p: zero_trits(p)[1], params),
+      dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_size)), params),
+    ),
+    nu=FactoredSecondMoment(
+      row=jax.tree.map(lambda p: zero_statistic(p, -1), params),
+      col=jax.tree.map(lambda p: zero_statistic(p, -2), params),
+      dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_size)), params),
+    ),
   )
-

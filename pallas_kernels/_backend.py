@@ -21,32 +21,32 @@ def gpu_interpreter() -> Any:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
   except ImportError as e:  # pragma: no cover - depends on the JAX version.
     raise RuntimeError(
-        "implementation='interpret' needs the Mosaic GPU interpreter"
-        " (jax._src.pallas.mosaic_gpu.interpret), which this JAX"
-        f" {jax.__version__} does not provide."
+      "implementation='interpret' needs the Mosaic GPU interpreter"
+      " (jax._src.pallas.mosaic_gpu.interpret), which this JAX"
+      f" {jax.__version__} does not provide."
     ) from e
   return InterpretGPUParams()
 
 
 def mosaic_gpu_kernel(
-    body: Callable[..., None],
-    *,
-    out_type: Any,
-    grid: tuple[int, ...],
-    grid_names: tuple[str, ...],
-    interpret: bool,
-    scratch_types: Any = (),
+  body: Callable[..., None],
+  *,
+  out_type: Any,
+  grid: tuple[int, ...],
+  grid_names: tuple[str, ...],
+  interpret: bool,
+  scratch_types: Any = (),
 ) -> Callable[..., Any]:
   """``plgpu.kernel``, lowered for Mosaic GPU or run by its interpreter."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   return plgpu.kernel(
-      body,
-      out_type=out_type,
-      scratch_types=scratch_types,
-      grid=grid,
-      grid_names=grid_names,
-      interpret=gpu_interpreter() if interpret else None,
+    body,
+    out_type=out_type,
+    scratch_types=scratch_types,
+    grid=grid,
+    grid_names=grid_names,
+    interpret=gpu_interpreter() if interpret else None,
   )
 
 
@@ -60,9 +60,7 @@ def cuda_lowering_context() -> contextlib.AbstractContextManager[Any]:
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
   except ImportError:  # pragma: no cover - depends on the JAX version.
     return contextlib.nullcontext()
-  h200 = AbstractMesh(
-      (1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "gpu")
-  )
+  h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "gpu"))
   return use_abstract_mesh(h200)
 
 

@@ -62,10 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
-from pallas_kernels import static_args
-from pallas_kernels import xla_cpu
+from pallas_kernels import _backend, dispatch, static_args, xla_cpu
 from pallas_kernels.topk import magnitude_key
 
 # Threads of a Mosaic GPU warpgroup: a segment is a whole multiple of them.
@@ -91,11 +88,11 @@ class ColumnSelection(NamedTuple):
 
 
 def column_select_reference(
-    grads: jax.Array,
-    tracked_index: jax.Array | None = None,
-    tracked_offset: jax.Array | None = None,
-    *,
-    keep: int = 1,
+  grads: jax.Array,
+  tracked_index: jax.Array | None = None,
+  tracked_offset: jax.Array | None = None,
+  *,
+  keep: int = 1,
 ) -> ColumnSelection:
   """The math of :func:`column_select` in plain jnp: the ground truth of its tests.
 
@@ -154,8 +151,17 @@ def _strided_layout(dtype: Any, segment_width: int) -> Any:
 
 
 def _select_kernel(
-    grads_ref, tracked_index_ref, tracked_offset_ref, index_ref, value_ref,
-    *, width: int, segments: int, segment_width: int, keep: int, layout: Any,
+  grads_ref,
+  tracked_index_ref,
+  tracked_offset_ref,
+  index_ref,
+  value_ref,
+  *,
+  width: int,
+  segments: int,
+  segment_width: int,
+  keep: int,
+  layout: Any,
 ):
   """Segment ``block`` of ``grads_ref[rows * segments, segment_width]``: its ``keep`` largest |u|."""
   block = lax.axis_index("segments")
@@ -169,9 +175,7 @@ def _select_kernel(
     hit = position == tracked_index_ref[row, slot]
     return jnp.where(hit, u + tracked_offset_ref[row, slot], u)
 
-  u = lax.fori_loop(
-      0, tracked_index_ref.shape[1], add_tracked, grads_ref[block].astype(jnp.float32)
-  )
+  u = lax.fori_loop(0, tracked_index_ref.shape[1], add_tracked, grads_ref[block].astype(jnp.float32))
   # The constant leads: JAX 0.10's Mosaic GPU gives a select the signedness of
   # its first value, and bitcast keys count as unsigned, which the signed
   # carry that ``take_largest`` returns would not match.
@@ -189,7 +193,7 @@ def _select_kernel(
 
 
 def _select_pallas(
-    grads, tracked_index, tracked_offset, keep: int, segment_width: int, *, interpret: bool
+  grads, tracked_index, tracked_offset, keep: int, segment_width: int, *, interpret: bool
 ) -> ColumnSelection:
   rows, width = grads.shape
   segments = -(-width // segment_width)
@@ -199,22 +203,20 @@ def _select_pallas(
     tracked_offset = jnp.zeros((rows, 1), jnp.float32)
   candidates = jax.ShapeDtypeStruct((rows * segments, keep), jnp.int32)
   kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(
-          _select_kernel,
-          width=width,
-          segments=segments,
-          segment_width=segment_width,
-          keep=keep,
-          layout=None if interpret else _strided_layout(grads.dtype, segment_width),
-      ),
-      out_type=(candidates, jax.ShapeDtypeStruct(candidates.shape, jnp.float32)),
-      grid=(rows * segments,),
-      grid_names=("segments",),
-      interpret=interpret,
+    functools.partial(
+      _select_kernel,
+      width=width,
+      segments=segments,
+      segment_width=segment_width,
+      keep=keep,
+      layout=None if interpret else _strided_layout(grads.dtype, segment_width),
+    ),
+    out_type=(candidates, jax.ShapeDtypeStruct(candidates.shape, jnp.float32)),
+    grid=(rows * segments,),
+    grid_names=("segments",),
+    interpret=interpret,
   )
-  index, value = kernel(
-      padded.reshape(rows * segments, segment_width), tracked_index, tracked_offset
-  )
+  index, value = kernel(padded.reshape(rows * segments, segment_width), tracked_index, tracked_offset)
   index = index.reshape(rows, segments * keep)
   value = value.reshape(rows, segments * keep)
   if segments > 1:
@@ -226,7 +228,7 @@ def _select_pallas(
 
 @functools.partial(jax.jit, static_argnames=("keep", "implementation", "segment_width"))
 def _column_select(
-    grads, tracked_index, tracked_offset, *, keep: int, implementation: str, segment_width: int
+  grads, tracked_index, tracked_offset, *, keep: int, implementation: str, segment_width: int
 ) -> ColumnSelection:
   tracked_index = tracked_index.astype(jnp.int32)
   tracked_offset = tracked_offset.astype(jnp.float32)
@@ -235,8 +237,10 @@ def _column_select(
   rows = grads.shape[:-1]
   n_rows = math.prod(rows)
   selection = _select_pallas(
-      *(x.reshape(n_rows, x.shape[-1]) for x in (grads, tracked_index, tracked_offset)),
-      keep, segment_width, interpret=implementation == "interpret",
+    *(x.reshape(n_rows, x.shape[-1]) for x in (grads, tracked_index, tracked_offset)),
+    keep,
+    segment_width,
+    interpret=implementation == "interpret",
   )
   return ColumnSelection(*(leaf.reshape(*rows, keep) for leaf in selection))
 
@@ -262,13 +266,13 @@ def default_segment_width(width: int, keep: int) -> int | None:
 
 
 def column_select(
-    grads: jax.Array,
-    tracked_index: jax.Array | None = None,
-    tracked_offset: jax.Array | None = None,
-    *,
-    keep: int = 1,
-    implementation: dispatch.Implementation = None,
-    segment_width: int | None = None,
+  grads: jax.Array,
+  tracked_index: jax.Array | None = None,
+  tracked_offset: jax.Array | None = None,
+  *,
+  keep: int = 1,
+  implementation: dispatch.Implementation = None,
+  segment_width: int | None = None,
 ) -> ColumnSelection:
   """Each row's ``keep`` largest entries of ``|grads + tracked offsets|``.
 
@@ -336,8 +340,7 @@ def column_select(
   grads = jnp.asarray(grads)
   if grads.ndim < 2 or not jnp.issubdtype(grads.dtype, jnp.floating):
     raise ValueError(
-        "grads must be a floating array [*rows, width] of at least 2 axes; got"
-        f" {grads.dtype}{list(grads.shape)}."
+      f"grads must be a floating array [*rows, width] of at least 2 axes; got {grads.dtype}{list(grads.shape)}."
     )
   *rows, width = grads.shape
   if (tracked_index is None) != (tracked_offset is None):
@@ -350,8 +353,8 @@ def column_select(
       raise ValueError(f"{name} must have shape [*rows={rows}, t]; got {list(jnp.shape(tracked))}.")
   if jnp.shape(tracked_index) != jnp.shape(tracked_offset):
     raise ValueError(
-        "tracked_index and tracked_offset must have the same shape; got"
-        f" {list(jnp.shape(tracked_index))} and {list(jnp.shape(tracked_offset))}."
+      "tracked_index and tracked_offset must have the same shape; got"
+      f" {list(jnp.shape(tracked_index))} and {list(jnp.shape(tracked_offset))}."
     )
   if not jnp.issubdtype(jnp.result_type(tracked_index), jnp.integer):
     raise ValueError(f"tracked_index must be integer; got {jnp.result_type(tracked_index)}.")
@@ -369,41 +372,45 @@ def column_select(
   elif grads.dtype.itemsize > 4:
     unsupported = f"grads must be at most 32-bit for the Pallas kernel; got {grads.dtype}."
   return dispatch.run(
-      "column_select",
-      implementation,
-      lambda resolved: _column_select(
-          grads, tracked_index, tracked_offset,
-          keep=keep, implementation=resolved, segment_width=kernel_segment_width,
-      ),
-      unsupported=None if unsupported is None else unsupported + " Use implementation='xla'.",
+    "column_select",
+    implementation,
+    lambda resolved: _column_select(
+      grads,
+      tracked_index,
+      tracked_offset,
+      keep=keep,
+      implementation=resolved,
+      segment_width=kernel_segment_width,
+    ),
+    unsupported=None if unsupported is None else unsupported + " Use implementation='xla'.",
   )
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:
   """TACO's argmax and heavy-hitter merge at LLM widths, fp32 and bf16, one and many segments, rows in parts."""
   cases = (
-      # name, rows, width, dtype, tracked, keep
-      ("argmax", (4096,), 4096, jnp.bfloat16, 0, 1),
-      ("heavy_hitters", (1024,), 4096, jnp.float32, 16, 16),
-      # 11008 = 43 * 256: 43 segments of 256, merged by XLA.
-      ("heavy_hitters_segmented", (512,), 11008, jnp.bfloat16, 16, 16),
-      # TACO's default: rows of 4096 in 16 parts of one heavy hitter each.
-      ("one_per_part", (1024, 16), 256, jnp.bfloat16, 1, 1),
+    # name, rows, width, dtype, tracked, keep
+    ("argmax", (4096,), 4096, jnp.bfloat16, 0, 1),
+    ("heavy_hitters", (1024,), 4096, jnp.float32, 16, 16),
+    # 11008 = 43 * 256: 43 segments of 256, merged by XLA.
+    ("heavy_hitters_segmented", (512,), 11008, jnp.bfloat16, 16, 16),
+    # TACO's default: rows of 4096 in 16 parts of one heavy hitter each.
+    ("one_per_part", (1024, 16), 256, jnp.bfloat16, 1, 1),
   )
   examples = []
   for name, rows, width, dtype, tracked, keep in cases:
     args = (jax.ShapeDtypeStruct((*rows, width), dtype),)
     if tracked:
       args += (
-          jax.ShapeDtypeStruct((*rows, tracked), jnp.int16),
-          jax.ShapeDtypeStruct((*rows, tracked), jnp.float32),
+        jax.ShapeDtypeStruct((*rows, tracked), jnp.int16),
+        jax.ShapeDtypeStruct((*rows, tracked), jnp.float32),
       )
     examples.append(
-        _backend.LoweringExample(
-            name=f"column_select_{name}_{width}_{jnp.dtype(dtype).name}",
-            backend=_backend.MOSAIC_GPU_CALL,
-            fn=functools.partial(column_select, keep=keep, implementation="pallas"),
-            args=args,
-        )
+      _backend.LoweringExample(
+        name=f"column_select_{name}_{width}_{jnp.dtype(dtype).name}",
+        backend=_backend.MOSAIC_GPU_CALL,
+        fn=functools.partial(column_select, keep=keep, implementation="pallas"),
+        args=args,
+      )
     )
   return examples

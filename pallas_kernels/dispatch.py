@@ -29,12 +29,12 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 # Per op, whether its Pallas kernel beat XLA on a Hopper GPU (H200). One table,
 # so that a new measurement changes one line.
 FASTER_ON_HOPPER: dict[str, bool] = {
-    "block_topk": False,
-    "quantize": True,
-    # Decoding fused by XLA into its readers moves fewer bytes than the
-    # kernel writing the decoded values out (MicroAdam's step, H100 compile).
-    "dequantize": False,
-    "column_select": True,
+  "block_topk": False,
+  "quantize": True,
+  # Decoding fused by XLA into its readers moves fewer bytes than the
+  # kernel writing the decoded values out (MicroAdam's step, H100 compile).
+  "dequantize": False,
+  "column_select": True,
 }
 
 # Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.
@@ -63,15 +63,10 @@ def cuda_target_runs_mosaic_gpu() -> bool:
 def check(implementation: Implementation) -> None:
   """Raises ``ValueError`` naming ``implementation`` unless it is one of :data:`IMPLEMENTATIONS`."""
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        "implementation must be one of None, 'xla', 'pallas' or 'interpret';"
-        f" got {implementation!r}."
-    )
+    raise ValueError(f"implementation must be one of None, 'xla', 'pallas' or 'interpret'; got {implementation!r}.")
 
 
-def run(
-    op: str, implementation: Implementation, path: Callable[[str], T], *, unsupported: str | None = None
-) -> T:
+def run(op: str, implementation: Implementation, path: Callable[[str], T], *, unsupported: str | None = None) -> T:
   """``path`` called with the implementation that runs ``op``.
 
   Args:
@@ -96,6 +91,6 @@ def run(
   if not FASTER_ON_HOPPER[op] or unsupported is not None:
     return path("xla")
   return lax.platform_dependent(
-      cuda=lambda: path("pallas" if cuda_target_runs_mosaic_gpu() else "xla"),
-      default=lambda: path("xla"),
+    cuda=lambda: path("pallas" if cuda_target_runs_mosaic_gpu() else "xla"),
+    default=lambda: path("xla"),
   )

@@ -80,9 +80,9 @@ class StateFormat(NamedTuple):
 
 
 STATE_FORMATS: dict[str, StateFormat] = {
-    "8bit": StateFormat("dynamic_8bit_signed", "dynamic_8bit_unsigned", 256),
-    "4bit": StateFormat("dynamic_4bit_signed", "linear_4bit_unsigned", 128),
-    "fp8": StateFormat(map_codes.FLOAT8_CODE, map_codes.FLOAT8_CODE, 256),
+  "8bit": StateFormat("dynamic_8bit_signed", "dynamic_8bit_unsigned", 256),
+  "4bit": StateFormat("dynamic_4bit_signed", "linear_4bit_unsigned", 128),
+  "fp8": StateFormat(map_codes.FLOAT8_CODE, map_codes.FLOAT8_CODE, 256),
 }
 
 
@@ -99,9 +99,7 @@ def check_state_format(state_format: Any) -> StateFormat:
   """The ``StateFormat`` named ``state_format``, or a ``ValueError`` naming the argument."""
   static_args.check_static("state_format", state_format)
   if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
-    raise ValueError(
-        f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}."
-    )
+    raise ValueError(f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}.")
   return STATE_FORMATS[state_format]
 
 
@@ -115,7 +113,8 @@ def moment_shapes(shape: tuple[int, ...], *, state_format: str, block_size: int)
 
   Examples:
     >>> from pallas_kernels.lowbit_adamw_update import moment_shapes
-    >>> [a if a is None else (a.shape, a.dtype.name) for a in moment_shapes((64, 512), state_format="4bit", block_size=128)]
+    >>> shapes = moment_shapes((64, 512), state_format="4bit", block_size=128)
+    >>> [a if a is None else (a.shape, a.dtype.name) for a in shapes]
     [((64, 512), 'uint8'), None, ((64, 4, 1), 'float32'), ((64, 4, 1), 'float32')]
     >>> moment_shapes((100, 30), state_format="8bit", block_size=256).mu_scales.shape
     (12, 1)
@@ -185,7 +184,7 @@ def _direction(mu, nu_root, bias_correction_1, root_bias_correction_2, eps) -> j
 
 
 def adamw_moments(
-    grad: jax.Array, mu: jax.Array, nu: jax.Array, *, count: Any, b1: Any, b2: Any
+  grad: jax.Array, mu: jax.Array, nu: jax.Array, *, count: Any, b1: Any, b2: Any
 ) -> tuple[jax.Array, jax.Array]:
   """The reference's float32 moment update: ``lerp(mu, g, 1 - b1)``, ``lerp(nu, g**2, 1 - b2)``.
 
@@ -200,8 +199,8 @@ def adamw_moments(
 def _moments(grad, mu, nu, b1, b2, zero) -> tuple[jax.Array, jax.Array]:
   g = grad.astype(jnp.float32)
   return (
-      _lerp(_rounded(mu, zero), g, _one_minus(b1), zero),
-      _lerp(_rounded(nu, zero), _rounded(g * g, zero), _one_minus(b2), zero),
+    _lerp(_rounded(mu, zero), g, _one_minus(b1), zero),
+    _lerp(_rounded(nu, zero), _rounded(g * g, zero), _one_minus(b2), zero),
   )
 
 
@@ -249,15 +248,15 @@ def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> 
 
 
 def _step(
-    grad: jax.Array,
-    moments: LowbitMoments,
-    *,
-    count: Any,
-    b1: Any,
-    b2: Any,
-    eps: Any,
-    state_format: str,
-    block_size: int,
+  grad: jax.Array,
+  moments: LowbitMoments,
+  *,
+  count: Any,
+  b1: Any,
+  b2: Any,
+  eps: Any,
+  state_format: str,
+  block_size: int,
 ) -> tuple[jax.Array, LowbitMoments]:
   """The step in plain jnp (module docstring), arguments unchecked."""
   state = STATE_FORMATS[state_format]
@@ -273,11 +272,11 @@ def _step(
 
   def new_moments(zero, in_place):
     mu, nu = (
-        map_codes.map_decode(_depending_on(codes, zero), per_element(scales), code=code, elementwise=in_place)
-        for codes, scales, code in (
-            (mu_codes, moments.mu_scales, state.mu_code),
-            (nu_codes, moments.nu_scales, state.nu_code),
-        )
+      map_codes.map_decode(_depending_on(codes, zero), per_element(scales), code=code, elementwise=in_place)
+      for codes, scales, code in (
+        (mu_codes, moments.mu_scales, state.mu_code),
+        (nu_codes, moments.nu_scales, state.nu_code),
+      )
     )
     return _moments(grad, mu, nu, b1, b2, zero)
 
@@ -286,13 +285,13 @@ def _step(
   # codes and the direction in a second, elementwise, that XLA:GPU fuses with
   # the parameters' update and that writes the codes in place.
   scales = [
-      map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
-      for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
+    map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
+    for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
   ]
   mu, nu = new_moments(_codes_zero(count), in_place=True)
   codes = [
-      map_codes.map_encode(x, per_element(s), code=code)
-      for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
+    map_codes.map_encode(x, per_element(s), code=code)
+    for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
   ]
   direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
   return direction.astype(grad.dtype), LowbitMoments(*_join_codes(*codes, state_format), *scales)
@@ -303,15 +302,15 @@ def _describe(array: Any) -> str:
 
 
 def lowbit_adamw_update(
-    grad: jax.Array,
-    moments: LowbitMoments,
-    *,
-    count: Any,
-    b1: Any,
-    b2: Any,
-    eps: Any,
-    state_format: str,
-    block_size: int,
+  grad: jax.Array,
+  moments: LowbitMoments,
+  *,
+  count: Any,
+  b1: Any,
+  b2: Any,
+  eps: Any,
+  state_format: str,
+  block_size: int,
 ) -> tuple[jax.Array, LowbitMoments]:
   r"""One step of low-bit AdamW for one tensor: the direction and the new stored moments.
 
@@ -360,11 +359,11 @@ def lowbit_adamw_update(
     raise ValueError(f"moments must be a LowbitMoments; got {type(moments).__name__}.")
   for name, actual, wanted in zip(LowbitMoments._fields, moments, expected):
     if (actual is None) != (wanted is None) or (
-        wanted is not None and (actual.shape != wanted.shape or actual.dtype != wanted.dtype)
+      wanted is not None and (actual.shape != wanted.shape or actual.dtype != wanted.dtype)
     ):
       raise ValueError(
-          f"moments.{name} must be {_describe(wanted)} for a gradient of shape"
-          f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
-          f" {_describe(actual)}."
+        f"moments.{name} must be {_describe(wanted)} for a gradient of shape"
+        f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
+        f" {_describe(actual)}."
       )
   return _step(grad, moments, count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)

@@ -78,8 +78,8 @@ def dynamic_map(*, signed: bool, max_exponent_bits: int, total_bits: int) -> np.
   precision_bits = total_bits - 1 - max_exponent_bits
   if precision_bits != 0:
     raise ValueError(
-        "dynamic_map needs total_bits == max_exponent_bits + 1; got"
-        f" total_bits={total_bits}, max_exponent_bits={max_exponent_bits}."
+      "dynamic_map needs total_bits == max_exponent_bits + 1; got"
+      f" total_bits={total_bits}, max_exponent_bits={max_exponent_bits}."
     )
   entries = [0.0, 1.0]
   for i in range(max_exponent_bits):
@@ -88,8 +88,6 @@ def dynamic_map(*, signed: bool, max_exponent_bits: int, total_bits: int) -> np.
     means = 10.0 ** (i - max_exponent_bits + 1) * (boundaries[:-1] + boundaries[1:]) / 2
     entries += list(means) + (list(-means) if signed else [])
   return np.sort(np.array(entries, np.float64)).astype(np.float32)
-
-
 
 
 class MapQuantized(NamedTuple):
@@ -343,8 +341,7 @@ def _dynamic_entries(codes: jax.Array, code: str) -> jax.Array:
   formula = _select(decade, layout.scales) * _dynamic_multiple(k + layout.base, count).astype(jnp.float32)
   shift = (k & 31).astype(jnp.uint32)
   difference = sum(
-      ((_select(k >> 5, words) >> shift) & 1).astype(jnp.int32) << plane
-      for plane, words in enumerate(layout.corrections)
+    ((_select(k >> 5, words) >> shift) & 1).astype(jnp.int32) << plane for plane, words in enumerate(layout.corrections)
   )
   entry = lax.bitcast_convert_type(lax.bitcast_convert_type(formula, jnp.int32) + difference - 2, jnp.float32)
   if layout.signed:
@@ -425,7 +422,7 @@ def _elementwise_off_cpu(x: jax.Array, code: str, by_table: Callable, elementwis
   """``by_table(x, code)`` on XLA:CPU, which reads tables faster than it computes
   the formulas and writes in place either way; ``elementwise(x, code)`` elsewhere."""
   return lax.platform_dependent(
-      x, cpu=functools.partial(by_table, code=code), default=functools.partial(elementwise, code=code)
+    x, cpu=functools.partial(by_table, code=code), default=functools.partial(elementwise, code=code)
   )
 
 
@@ -467,7 +464,7 @@ def _float8_magnitude_code(magnitudes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(saturated.astype(jnp.float8_e4m3fn), jnp.uint8).astype(jnp.int32)
 
   return lax.platform_dependent(
-      magnitudes, cpu=functools.partial(nearest_map_code, code=FLOAT8_CODE), default=converted
+    magnitudes, cpu=functools.partial(nearest_map_code, code=FLOAT8_CODE), default=converted
   )
 
 
@@ -583,9 +580,9 @@ def map_dequantize(q: MapQuantized, *, size: int, code: str, block_size: int) ->
   expected = ((size,), (-(-size // block_size),))
   if (q.codes.shape, q.scales.shape) != expected or q.codes.dtype != code_dtype(code):
     raise ValueError(
-        f"q does not match size={size}, code={code!r}, block_size={block_size}: expected"
-        f" {code_dtype(code)} codes of shape {expected[0]} and scales of shape {expected[1]};"
-        f" got {q.codes.dtype}{q.codes.shape} and {q.scales.shape}."
+      f"q does not match size={size}, code={code!r}, block_size={block_size}: expected"
+      f" {code_dtype(code)} codes of shape {expected[0]} and scales of shape {expected[1]};"
+      f" got {q.codes.dtype}{q.codes.shape} and {q.scales.shape}."
     )
   codes = _map_blocks(q.codes, block_size)
   return map_decode(codes, q.scales[:, None], code=code).reshape(-1)[:size]

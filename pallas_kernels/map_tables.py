@@ -80,11 +80,11 @@ bf633333 bf29999a bee00000 be599999 bd9eb852 bd051eb9 bbb43958 00000000 3bb43958
 3d9eb852 3e599999 3ee00000 3f29999a 3f633333 3f800000
 """
 CODE_MAPS: dict[str, np.ndarray] = {
-    "dynamic_8bit_signed": _table(_DYNAMIC_8BIT_SIGNED_BITS),
-    "dynamic_8bit_unsigned": _table(_DYNAMIC_8BIT_UNSIGNED_BITS),
-    "dynamic_4bit_signed": _table(_DYNAMIC_4BIT_SIGNED_BITS),
-    # Li et al.'s map for the second moment: linear, without zero, so that a
-    # small v never decodes to 0 under a square root in a denominator.
-    "linear_4bit_unsigned": np.arange(1, 17, dtype=np.float32) / np.float32(16),
+  "dynamic_8bit_signed": _table(_DYNAMIC_8BIT_SIGNED_BITS),
+  "dynamic_8bit_unsigned": _table(_DYNAMIC_8BIT_UNSIGNED_BITS),
+  "dynamic_4bit_signed": _table(_DYNAMIC_4BIT_SIGNED_BITS),
+  # Li et al.'s map for the second moment: linear, without zero, so that a
+  # small v never decodes to 0 under a square root in a denominator.
+  "linear_4bit_unsigned": np.arange(1, 17, dtype=np.float32) / np.float32(16),
 }
 CODE_MAPS["linear_4bit_unsigned"].flags.writeable = False

@@ -49,11 +49,11 @@ from pallas_kernels import static_args, topk
 
 
 def window_weights(
-    count: jax.typing.ArrayLike,
-    b1: jax.typing.ArrayLike,
-    b2: jax.typing.ArrayLike,
-    *,
-    window: int,
+  count: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  *,
+  window: int,
 ) -> jax.Array:
   """Per ring row, the weights of its values in ``M`` and of their squares in ``S``.
 
@@ -127,16 +127,16 @@ def flat_positions(indices: jax.Array, *, k: int, block_size: int) -> jax.Array:
 
 
 def microadam_update_reference(
-    indices: jax.Array,
-    values: jax.Array,
-    count: jax.typing.ArrayLike,
-    b1: jax.typing.ArrayLike,
-    b2: jax.typing.ArrayLike,
-    eps: jax.typing.ArrayLike,
-    *,
-    size: int,
-    density: float,
-    block_size: int,
+  indices: jax.Array,
+  values: jax.Array,
+  count: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  *,
+  size: int,
+  density: float,
+  block_size: int,
 ) -> jax.Array:
   """``microadam_update`` in plain jnp: the module docstring's formula, ring row by ring row."""
   window = indices.shape[0]
@@ -201,9 +201,8 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   full_blocks = size // block_size
   positions, directions = [jnp.zeros((0,), jnp.int32)], [jnp.zeros((0,), jnp.float32)]
   for first_block, (local, ring_values) in zip(
-      (0, full_blocks),
-      zip(_by_block(indices, k=k, full_blocks=full_blocks),
-          _by_block(values, k=k, full_blocks=full_blocks)),
+    (0, full_blocks),
+    zip(_by_block(indices, k=k, full_blocks=full_blocks), _by_block(values, k=k, full_blocks=full_blocks)),
   ):
     local, entry = _sorted_by_index(local.astype(jnp.int32), block_size)
     keep = local.shape[1] // window
@@ -226,38 +225,34 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
     # Later entries of a run aim past the end and are dropped by the scatter.
     positions.append(jnp.where(local != previous, block * block_size + local, size).reshape(-1))
     directions.append(_update_from_moments(*moments, eps).reshape(-1))
-  return (
-      jnp.zeros((size,), jnp.float32)
-      .at[jnp.concatenate(positions)]
-      .set(jnp.concatenate(directions), mode="drop")
-  )
+  return jnp.zeros((size,), jnp.float32).at[jnp.concatenate(positions)].set(jnp.concatenate(directions), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
 def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size):
   weights = window_weights(count, b1, b2, window=indices.shape[0])
   return _update_xla(
-      indices,
-      values,
-      weights,
-      jnp.asarray(eps, jnp.float32),
-      size=size,
-      block_size=block_size,
-      k=topk.entries_kept(block_size, density),
+    indices,
+    values,
+    weights,
+    jnp.asarray(eps, jnp.float32),
+    size=size,
+    block_size=block_size,
+    k=topk.entries_kept(block_size, density),
   )
 
 
 def microadam_update(
-    indices: jax.Array,
-    values: jax.Array,
-    count: jax.typing.ArrayLike,
-    b1: jax.typing.ArrayLike,
-    b2: jax.typing.ArrayLike,
-    eps: jax.typing.ArrayLike,
-    *,
-    size: int,
-    density: float,
-    block_size: int,
+  indices: jax.Array,
+  values: jax.Array,
+  count: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  *,
+  size: int,
+  density: float,
+  block_size: int,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
 
@@ -309,15 +304,11 @@ def microadam_update(
   n_entries = topk.selection_size(size, density=density, block_size=block_size)
   if indices.ndim != 2 or indices.shape[1] != n_entries:
     raise ValueError(
-        f"indices must have shape [window, {n_entries}] for size={size},"
-        f" density={density}, block_size={block_size}; got {indices.shape}."
+      f"indices must have shape [window, {n_entries}] for size={size},"
+      f" density={density}, block_size={block_size}; got {indices.shape}."
     )
   if values.shape != indices.shape:
-    raise ValueError(
-        f"values must have the shape of indices {indices.shape}; got {values.shape}."
-    )
+    raise ValueError(f"values must have the shape of indices {indices.shape}; got {values.shape}.")
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  return _microadam_update(
-      indices, values, count, b1, b2, eps, size=size, density=density, block_size=block_size
-  )
+  return _microadam_update(indices, values, count, b1, b2, eps, size=size, density=density, block_size=block_size)

@@ -104,8 +104,8 @@ def unpack(packed: jax.Array, size: int, *, base: int, planes: int) -> jax.Array
   """Recovers ``size`` uint8 codes from ``pack``'s output."""
   if packed.shape != (packed_size(size, planes),):
     raise ValueError(
-        f"packed must have shape ({packed_size(size, planes)},) for size={size}"
-        f" at {planes} codes per byte; got {packed.shape}."
+      f"packed must have shape ({packed_size(size, planes)},) for size={size}"
+      f" at {planes} codes per byte; got {packed.shape}."
     )
   full_rows, tail = _row_split(size, planes)
   rows = full_rows + bool(tail)

@@ -97,8 +97,8 @@ def _check_bucket_size(bucket_size: Any) -> None:
   bucket_size = static_args.check_int("bucket_size", bucket_size, 1)
   if not (bucket_size in SMALL_BUCKET_SIZES or bucket_size % ROW == 0):
     raise ValueError(
-        f"bucket_size must be a positive multiple of {ROW} or one of"
-        f" {', '.join(map(str, SMALL_BUCKET_SIZES))}; got {bucket_size!r}."
+      f"bucket_size must be a positive multiple of {ROW} or one of"
+      f" {', '.join(map(str, SMALL_BUCKET_SIZES))}; got {bucket_size!r}."
     )
 
 
@@ -192,7 +192,7 @@ def _packing_args(bits: int) -> dict[str, int]:
 
 
 def quantize_reference(
-    x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: Any = jnp.float32
+  x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: Any = jnp.float32
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The module docstring's formula in plain jnp: ``(codes, minimum, maximum)``.
 
@@ -213,7 +213,7 @@ def quantize_reference(
 
 
 def dequantize_reference(
-    codes: jax.Array, minimum: jax.Array, maximum: jax.Array, *, bits: int, bucket_size: int
+  codes: jax.Array, minimum: jax.Array, maximum: jax.Array, *, bits: int, bucket_size: int
 ) -> jax.Array:
   """``min + q * s`` per element, from unpacked ``codes`` and per-bucket statistics (float32)."""
   bucket_of = jnp.arange(codes.size) // bucket_size
@@ -226,7 +226,7 @@ def dequantize_reference(
 
 
 def _row_planes(
-    values: jax.Array, stats: tuple[jax.Array, ...], bucket_size: int, bits: int
+  values: jax.Array, stats: tuple[jax.Array, ...], bucket_size: int, bits: int
 ) -> list[tuple[jax.Array, tuple[jax.Array, ...]]]:
   """The planes of every packed row of flat ``values``, each with its buckets' stats.
 
@@ -272,13 +272,13 @@ def _quantize_xla(x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.
   maximum = _round_outward(buckets.max(axis=1), stats_dtype, upward=True)
   inverse_step = _inverse_step(_step(minimum, maximum, bits))
   planes = [
-      _encode(plane, low, inverse, bits)
-      for plane, (low, inverse) in _row_planes(padded, (minimum, inverse_step), bucket_size, bits)
+    _encode(plane, low, inverse, bits)
+    for plane, (low, inverse) in _row_planes(padded, (minimum, inverse_step), bucket_size, bits)
   ]
   return QuantizedArray(
-      _planes_to_packed(planes, flat.size, bits),
-      minimum[:n_buckets].astype(stats_dtype),
-      maximum[:n_buckets].astype(stats_dtype),
+    _planes_to_packed(planes, flat.size, bits),
+    minimum[:n_buckets].astype(stats_dtype),
+    maximum[:n_buckets].astype(stats_dtype),
   )
 
 
@@ -356,9 +356,7 @@ def _store_codes(codes_ref: Any, b: jax.Array, r: jax.Array, half_codes: list[ja
   """Writes the codes of a row's two halves as that row's packed bytes."""
   planes = 8 // bits
   for group in range(2 // planes):
-    codes_ref[b, r, _half(group)] = packing.combine_planes(
-        half_codes[group * planes : (group + 1) * planes], 2**bits
-    )
+    codes_ref[b, r, _half(group)] = packing.combine_planes(half_codes[group * planes : (group + 1) * planes], 2**bits)
 
 
 def _load_codes(codes_ref: Any, b: jax.Array, r: jax.Array, bits: int) -> list[jax.Array]:
@@ -418,9 +416,7 @@ def _quantize_kernel(*refs: Any, bits: int, bucket_size: int, rows: int, stats_d
           max_ref[b, r, h * per_half + s] = maximum.astype(stats_dtype)
           minima.append(minimum)
           inverse_steps.append(_inverse_step(_step(minimum, maximum, bits)))
-        half_codes.append(
-            _encode(values, _by_segment(segment, minima), _by_segment(segment, inverse_steps), bits)
-        )
+        half_codes.append(_encode(values, _by_segment(segment, minima), _by_segment(segment, inverse_steps), bits))
       _store_codes(codes_ref, b, r, half_codes, bits)
       return carry
 
@@ -505,11 +501,9 @@ def _packed_to_kernel_rows(codes: jax.Array, size: int, bits: int, n_bytes: int)
   return jnp.pad(row_bytes, (0, n_bytes - row_bytes.size))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("bits", "bucket_size", "stats_dtype", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "stats_dtype", "interpret"))
 def _quantize_pallas(
-    x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.dtype, interpret: bool
+  x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.dtype, interpret: bool
 ) -> QuantizedArray:
   size = x.size
   blocks = _blocks(size, bucket_size)
@@ -519,58 +513,50 @@ def _quantize_pallas(
   rows = rows.reshape(blocks.count, blocks.rows, ROW)
   stats_type = jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype)
   kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(
-          _quantize_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, stats_dtype=stats_dtype
-      ),
-      out_type=(
-          jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW * bits // 8), jnp.uint8),
-          stats_type,
-          stats_type,
-      ),
-      grid=(blocks.count,),
-      grid_names=(_GRID_AXIS,),
-      interpret=interpret,
+    functools.partial(_quantize_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, stats_dtype=stats_dtype),
+    out_type=(
+      jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW * bits // 8), jnp.uint8),
+      stats_type,
+      stats_type,
+    ),
+    grid=(blocks.count,),
+    grid_names=(_GRID_AXIS,),
+    interpret=interpret,
   )
   codes, minimum, maximum = kernel(rows, *_lanes(bucket_size))
   n_buckets = num_buckets(size, bucket_size)
   return QuantizedArray(
-      _kernel_rows_to_packed(codes.reshape(-1), size, bits),
-      minimum.reshape(-1)[:n_buckets],
-      maximum.reshape(-1)[:n_buckets],
+    _kernel_rows_to_packed(codes.reshape(-1), size, bits),
+    minimum.reshape(-1)[:n_buckets],
+    maximum.reshape(-1)[:n_buckets],
   )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("size", "bits", "bucket_size", "dtype", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("size", "bits", "bucket_size", "dtype", "interpret"))
 def _decode_pallas(
-    q: QuantizedArray,
-    y: jax.Array | None,
-    *,
-    size: int,
-    bits: int,
-    bucket_size: int,
-    dtype: np.dtype,
-    interpret: bool,
+  q: QuantizedArray,
+  y: jax.Array | None,
+  *,
+  size: int,
+  bits: int,
+  bucket_size: int,
+  dtype: np.dtype,
+  interpret: bool,
 ) -> jax.Array:
   blocks = _blocks(size, bucket_size)
   codes = _packed_to_kernel_rows(q.codes, size, bits, blocks.elements * bits // 8)
   codes = codes.reshape(blocks.count, blocks.rows, ROW * bits // 8)
   n_stats = math.prod(blocks.stats_shape)
-  minimum, maximum = (
-      jnp.pad(s, (0, n_stats - s.size)).reshape(blocks.stats_shape) for s in (q.minimum, q.maximum)
-  )
+  minimum, maximum = (jnp.pad(s, (0, n_stats - s.size)).reshape(blocks.stats_shape) for s in (q.minimum, q.maximum))
   addend = ()
   if y is not None:
     addend = (jnp.pad(y.reshape(-1), (0, blocks.elements - size)).reshape(blocks.count, blocks.rows, ROW),)
   kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(
-          _decode_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, add=y is not None
-      ),
-      out_type=jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW), dtype),
-      grid=(blocks.count,),
-      grid_names=(_GRID_AXIS,),
-      interpret=interpret,
+    functools.partial(_decode_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, add=y is not None),
+    out_type=jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW), dtype),
+    grid=(blocks.count,),
+    grid_names=(_GRID_AXIS,),
+    interpret=interpret,
   )
   return kernel(codes, minimum, maximum, *_lanes(bucket_size), *addend).reshape(-1)[:size]
 
@@ -579,12 +565,12 @@ def _decode_pallas(
 
 
 def quantize(
-    x: jax.Array,
-    *,
-    bits: int = 4,
-    bucket_size: int,
-    stats_dtype: Any = jnp.float32,
-    implementation: dispatch.Implementation = None,
+  x: jax.Array,
+  *,
+  bits: int = 4,
+  bucket_size: int,
+  stats_dtype: Any = jnp.float32,
+  implementation: dispatch.Implementation = None,
 ) -> QuantizedArray:
   r"""Quantizes ``x`` (flattened) to ``bits``-bit codes per bucket of ``bucket_size``.
 
@@ -636,19 +622,17 @@ def quantize(
   stats_dtype = _check_dtype("stats_dtype", stats_dtype, _STATS_DTYPES)
   dispatch.check(implementation)
   if x.size == 0:
-    return QuantizedArray(
-        jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)
-    )
+    return QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype))
 
   def path(resolved: str) -> QuantizedArray:
     if resolved == "xla":
       return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
     return _quantize_pallas(
-        x,
-        bits=bits,
-        bucket_size=bucket_size,
-        stats_dtype=stats_dtype,
-        interpret=resolved == "interpret",
+      x,
+      bits=bits,
+      bucket_size=bucket_size,
+      stats_dtype=stats_dtype,
+      interpret=resolved == "interpret",
     )
 
   return dispatch.run("quantize", implementation, path)
@@ -660,31 +644,31 @@ def _check_quantized(q: Any, size: int, bits: int, bucket_size: int) -> None:
   if not isinstance(q, QuantizedArray):
     raise ValueError(f"q must be a QuantizedArray; got {type(q).__name__}.")
   if (
-      q.codes.shape != expected_codes
-      or q.codes.dtype != jnp.uint8
-      or q.minimum.shape != expected_stats
-      or q.maximum.shape != expected_stats
-      or q.minimum.dtype != q.maximum.dtype
-      or q.minimum.dtype not in _STATS_DTYPES
+    q.codes.shape != expected_codes
+    or q.codes.dtype != jnp.uint8
+    or q.minimum.shape != expected_stats
+    or q.maximum.shape != expected_stats
+    or q.minimum.dtype != q.maximum.dtype
+    or q.minimum.dtype not in _STATS_DTYPES
   ):
     raise ValueError(
-        f"q does not match size={size}, bits={bits}, bucket_size={bucket_size}:"
-        f" expected uint8 codes of shape {expected_codes} and float32 or bfloat16"
-        f" minimum and maximum of shape {expected_stats}; got codes"
-        f" {q.codes.dtype}{q.codes.shape}, minimum {q.minimum.dtype}{q.minimum.shape},"
-        f" maximum {q.maximum.dtype}{q.maximum.shape}."
+      f"q does not match size={size}, bits={bits}, bucket_size={bucket_size}:"
+      f" expected uint8 codes of shape {expected_codes} and float32 or bfloat16"
+      f" minimum and maximum of shape {expected_stats}; got codes"
+      f" {q.codes.dtype}{q.codes.shape}, minimum {q.minimum.dtype}{q.minimum.shape},"
+      f" maximum {q.maximum.dtype}{q.maximum.shape}."
     )
 
 
 def _dequantize_flat(
-    q: QuantizedArray,
-    y: jax.Array | None,
-    *,
-    size: int,
-    bits: int,
-    bucket_size: int,
-    dtype: np.dtype,
-    implementation: dispatch.Implementation,
+  q: QuantizedArray,
+  y: jax.Array | None,
+  *,
+  size: int,
+  bits: int,
+  bucket_size: int,
+  dtype: np.dtype,
+  implementation: dispatch.Implementation,
 ) -> jax.Array:
   """``y + decoded`` (or ``decoded``) as a flat ``dtype`` array, float32 math."""
   _check_bits(bits)
@@ -702,26 +686,26 @@ def _dequantize_flat(
         decoded = y.reshape(-1).astype(jnp.float32) + decoded
       return decoded.astype(dtype)
     return _decode_pallas(
-        q,
-        y,
-        size=size,
-        bits=bits,
-        bucket_size=bucket_size,
-        dtype=dtype,
-        interpret=resolved == "interpret",
+      q,
+      y,
+      size=size,
+      bits=bits,
+      bucket_size=bucket_size,
+      dtype=dtype,
+      interpret=resolved == "interpret",
     )
 
   return dispatch.run("dequantize", implementation, path)
 
 
 def dequantize(
-    q: QuantizedArray,
-    *,
-    size: int,
-    bits: int = 4,
-    bucket_size: int,
-    dtype: Any = jnp.float32,
-    implementation: dispatch.Implementation = None,
+  q: QuantizedArray,
+  *,
+  size: int,
+  bits: int = 4,
+  bucket_size: int,
+  dtype: Any = jnp.float32,
+  implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   r"""Decodes ``q`` into a flat array of ``size`` elements.
 
@@ -757,17 +741,17 @@ def dequantize(
   """
   dtype = _check_dtype("dtype", dtype, _INPUT_DTYPES)
   return _dequantize_flat(
-      q, None, size=size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
+    q, None, size=size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
   )
 
 
 def dequantize_add(
-    q: QuantizedArray,
-    y: jax.Array,
-    *,
-    bits: int = 4,
-    bucket_size: int,
-    implementation: dispatch.Implementation = None,
+  q: QuantizedArray,
+  y: jax.Array,
+  *,
+  bits: int = 4,
+  bucket_size: int,
+  implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   """``y + dequantize(q)``, fused: one pass reads codes and ``y``, writes the sum.
 
@@ -800,7 +784,7 @@ def dequantize_add(
   y = jnp.asarray(y)
   dtype = _check_dtype("y", y.dtype, _INPUT_DTYPES)
   flat = _dequantize_flat(
-      q, y, size=y.size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
+    q, y, size=y.size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
   )
   return flat.reshape(y.shape)
 
@@ -816,37 +800,33 @@ def lowering_examples() -> list[_backend.LoweringExample]:
   for bits in SUPPORTED_BITS:
     for bucket_size in (64, 512):
       stats = jax.ShapeDtypeStruct((num_buckets(size, bucket_size),), jnp.bfloat16)
-      q = QuantizedArray(
-          jax.ShapeDtypeStruct((packing.packed_size(size, 8 // bits),), jnp.uint8), stats, stats
-      )
+      q = QuantizedArray(jax.ShapeDtypeStruct((packing.packed_size(size, 8 // bits),), jnp.uint8), stats, stats)
       x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
       suffix = f"{bits}bit_bucket{bucket_size}"
       examples += [
-          _backend.LoweringExample(
-              f"quantize_{suffix}",
-              _backend.MOSAIC_GPU_CALL,
-              functools.partial(
-                  quantize,
-                  bits=bits,
-                  bucket_size=bucket_size,
-                  stats_dtype=jnp.bfloat16,
-                  implementation="pallas",
-              ),
-              (x,),
+        _backend.LoweringExample(
+          f"quantize_{suffix}",
+          _backend.MOSAIC_GPU_CALL,
+          functools.partial(
+            quantize,
+            bits=bits,
+            bucket_size=bucket_size,
+            stats_dtype=jnp.bfloat16,
+            implementation="pallas",
           ),
-          _backend.LoweringExample(
-              f"dequantize_{suffix}",
-              _backend.MOSAIC_GPU_CALL,
-              functools.partial(
-                  dequantize, size=size, bits=bits, bucket_size=bucket_size, implementation="pallas"
-              ),
-              (q,),
-          ),
-          _backend.LoweringExample(
-              f"dequantize_add_{suffix}",
-              _backend.MOSAIC_GPU_CALL,
-              functools.partial(dequantize_add, bits=bits, bucket_size=bucket_size, implementation="pallas"),
-              (q, x),
-          ),
+          (x,),
+        ),
+        _backend.LoweringExample(
+          f"dequantize_{suffix}",
+          _backend.MOSAIC_GPU_CALL,
+          functools.partial(dequantize, size=size, bits=bits, bucket_size=bucket_size, implementation="pallas"),
+          (q,),
+        ),
+        _backend.LoweringExample(
+          f"dequantize_add_{suffix}",
+          _backend.MOSAIC_GPU_CALL,
+          functools.partial(dequantize_add, bits=bits, bucket_size=bucket_size, implementation="pallas"),
+          (q, x),
+        ),
       ]
   return examples

@@ -24,9 +24,9 @@ def check_static(name: str, value: Any) -> None:
   """Raises ``ValueError`` naming ``name`` when ``value`` is a JAX array or tracer."""
   if isinstance(value, (jax.Array, jax.core.Tracer)) or (isinstance(value, np.ndarray) and value.ndim):
     raise ValueError(
-        f"{name} fixes the state's shapes, so it must be a plain Python value, not"
-        f" {type(value).__name__}: with optax.inject_hyperparams, list it in"
-        f" static_args (static_args=({name!r},))."
+      f"{name} fixes the state's shapes, so it must be a plain Python value, not"
+      f" {type(value).__name__}: with optax.inject_hyperparams, list it in"
+      f" static_args (static_args=({name!r},))."
     )
 
 

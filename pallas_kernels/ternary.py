@@ -151,8 +151,8 @@ def shapes(shape: tuple[int, ...], *, block_size: int, packing: str = "base3") -
   layout = packing_layout(packing)
   blocks = blocks_shape(tuple(shape), block_size)
   return TernaryArray(
-      jax.ShapeDtypeStruct((*blocks, bytes_per_block(block_size, layout)), jnp.uint8),
-      jax.ShapeDtypeStruct((*blocks, 1), jnp.float32),
+    jax.ShapeDtypeStruct((*blocks, bytes_per_block(block_size, layout)), jnp.uint8),
+    jax.ShapeDtypeStruct((*blocks, 1), jnp.float32),
   )
 
 
@@ -169,9 +169,7 @@ def zeros(shape: tuple[int, ...], *, block_size: int, packing: str = "base3") ->
   packed, scales = shapes(shape, block_size=block_size, packing=packing)
   # Every plane holds code 1: the byte sum(base**p).
   zero_trits = sum(layout.base**p for p in range(layout.planes))
-  return TernaryArray(
-      jnp.full(packed.shape, zero_trits, jnp.uint8), jnp.zeros(scales.shape, jnp.float32)
-  )
+  return TernaryArray(jnp.full(packed.shape, zero_trits, jnp.uint8), jnp.zeros(scales.shape, jnp.float32))
 
 
 # Codes per row of the padded view pack_blocks writes out; every block size
@@ -197,9 +195,7 @@ def pack_blocks(codes: jax.Array, layout: Layout) -> jax.Array:
   rows = codes.astype(jnp.uint8).reshape(*blocks, block_size // _PACKING_ROW, _PACKING_ROW)
   slots = jnp.pad(rows, [(0, 0)] * len(blocks) + [(0, 1), (0, 0)], constant_values=1)
   slots = slots.reshape(*blocks, block_size + _PACKING_ROW)
-  return planar.combine_planes(
-      [slots[..., p * width : (p + 1) * width] for p in range(layout.planes)], layout.base
-  )
+  return planar.combine_planes([slots[..., p * width : (p + 1) * width] for p in range(layout.planes)], layout.base)
 
 
 # The largest row of blocks whose place values unpack_blocks tiles (a

@@ -55,8 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import ternary
-from pallas_kernels import xla_cpu
+from pallas_kernels import ternary, xla_cpu
 from pallas_kernels.blocks import from_blocks, to_blocks
 
 
@@ -72,18 +71,18 @@ class TernaryAdamStep(NamedTuple):
 
 
 def ternary_adam_update_reference(
-    grad: jax.Array,
-    momentum: ternary.TernaryArray,
-    nu: jax.Array | None = None,
-    *,
-    nu_root: jax.Array | None = None,
-    seed: jax.Array,
-    count: jax.typing.ArrayLike,
-    b1: jax.typing.ArrayLike,
-    b2: jax.typing.ArrayLike,
-    eps: jax.typing.ArrayLike,
-    block_size: int,
-    packing: str = "base3",
+  grad: jax.Array,
+  momentum: ternary.TernaryArray,
+  nu: jax.Array | None = None,
+  *,
+  nu_root: jax.Array | None = None,
+  seed: jax.Array,
+  count: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  block_size: int,
+  packing: str = "base3",
 ) -> TernaryAdamStep:
   """The step of ``ternary_adam_update`` in plain jnp, element by element of the flat tensor.
 
@@ -115,24 +114,24 @@ def ternary_adam_update_reference(
   direction = (m / (1 - b1**k)) / (root_of_nu_hat + eps)
 
   magnitude = jnp.pad(jnp.abs(g), (0, n_blocks * block_size - size))
-  new_scales = b1 * momentum.scales.reshape(-1) + (1 - b1) * magnitude.reshape(
-      n_blocks, block_size).max(axis=1)
+  new_scales = b1 * momentum.scales.reshape(-1) + (1 - b1) * magnitude.reshape(n_blocks, block_size).max(axis=1)
   bits = ternary.counter_hash_bits(seed, jnp.arange(size, dtype=jnp.uint32))
   uniform = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
   keep = uniform * per_element(new_scales) < jnp.abs(m)
   new_codes = jnp.where(keep, jnp.where(m < 0, 0, 2), 1)
   width = momentum.packed.shape[-1]
   slots = jnp.ones((n_blocks * block_size,), jnp.int32).at[:size].set(new_codes)
-  slots = jnp.pad(slots.reshape(n_blocks, block_size), ((0, 0), (0, layout.planes * width - block_size)),
-                  constant_values=1)
+  slots = jnp.pad(
+    slots.reshape(n_blocks, block_size), ((0, 0), (0, layout.planes * width - block_size)), constant_values=1
+  )
   new_bytes = jnp.sum(slots.reshape(n_blocks, layout.planes, width) * place, axis=1)
   return TernaryAdamStep(
-      direction.reshape(grad.shape).astype(grad.dtype),
-      ternary.TernaryArray(
-          new_bytes.astype(jnp.uint8).reshape(momentum.packed.shape),
-          new_scales.reshape(momentum.scales.shape),
-      ),
-      None if nu is None else nu.reshape(nu_shape),
+    direction.reshape(grad.shape).astype(grad.dtype),
+    ternary.TernaryArray(
+      new_bytes.astype(jnp.uint8).reshape(momentum.packed.shape),
+      new_scales.reshape(momentum.scales.shape),
+    ),
+    None if nu is None else nu.reshape(nu_shape),
   )
 
 
@@ -149,9 +148,9 @@ def block_statistics(grad_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
   one computation after XLA's common-subexpression elimination.
   """
   return xla_cpu.reduce_folded(
-      (jnp.square(grad_blocks), jnp.abs(grad_blocks)),
-      (np.float32(0), np.float32(0)),
-      lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+    (jnp.square(grad_blocks), jnp.abs(grad_blocks)),
+    (np.float32(0), np.float32(0)),
+    lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
   )
 
 
@@ -205,24 +204,24 @@ def _codes_written_out_on_gpu(codes: jax.Array) -> jax.Array:
   computes the direction also write the codes, in half a byte per element.
   """
   return lax.platform_dependent(
-      codes,
-      cpu=lambda codes: codes,
-      default=lambda codes: lax.optimization_barrier(codes.astype(jnp.uint4)).astype(jnp.uint32),
+    codes,
+    cpu=lambda codes: codes,
+    default=lambda codes: lax.optimization_barrier(codes.astype(jnp.uint4)).astype(jnp.uint32),
   )
 
 
 def _step_xla(
-    grad: jax.Array,
-    stored: jax.Array,
-    scales: jax.Array,
-    nu: jax.Array,
-    seed: jax.Array,
-    hyper: jax.Array,
-    *,
-    block_size: int,
-    layout: Any,
-    update_nu: bool,
-    absmax: jax.Array | None,
+  grad: jax.Array,
+  stored: jax.Array,
+  scales: jax.Array,
+  nu: jax.Array,
+  seed: jax.Array,
+  hyper: jax.Array,
+  *,
+  block_size: int,
+  layout: Any,
+  update_nu: bool,
+  absmax: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
   """The step on the tensor's blocks: direction, new bytes, new scales and new ``nu``.
 
@@ -236,9 +235,9 @@ def _step_xla(
     _, absmax = block_statistics(grad_blocks)
   new_scales = b1 * scales + (1 - b1) * absmax[..., None]
   stored_codes = lax.platform_dependent(
-      stored,
-      cpu=lambda stored: ternary.unpack_blocks(stored, block_size, layout),
-      default=lambda stored: _stored_codes_on_gpu(stored, _own_zero(seed), block_size, layout),
+    stored,
+    cpu=lambda stored: ternary.unpack_blocks(stored, block_size, layout),
+    default=lambda stored: _stored_codes_on_gpu(stored, _own_zero(seed), block_size, layout),
   )
   m = b1 * ((stored_codes - 1) * scales) + (1 - b1) * grad_blocks
   nu_blocks = to_blocks(nu.astype(jnp.float32), blocks, block_size)
@@ -266,42 +265,60 @@ def _hyperparameters(count, b1, b2, eps) -> jax.Array:
   b1, b2, eps = (jnp.asarray(x, jnp.float32) for x in (b1, b2, eps))
   count = jnp.asarray(count).astype(jnp.float32)
   bias_correction_2 = 1 - b2**count
-  return jnp.stack(
-      [b1, b2, eps, 1 - b1**count, bias_correction_2, lax.rsqrt(bias_correction_2)]
-  )
+  return jnp.stack([b1, b2, eps, 1 - b1**count, bias_correction_2, lax.rsqrt(bias_correction_2)])
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "layout", "update_nu"))
 def _step(
-    grad, stored, scales, nu, seed, count, b1, b2, eps, absmax,
-    *, block_size: int, layout: Any, update_nu: bool,
+  grad,
+  stored,
+  scales,
+  nu,
+  seed,
+  count,
+  b1,
+  b2,
+  eps,
+  absmax,
+  *,
+  block_size: int,
+  layout: Any,
+  update_nu: bool,
 ):
   hyper = _hyperparameters(count, b1, b2, eps)
   direction, new_stored, new_scales, new_nu = _step_xla(
-      grad, stored, scales, nu.reshape(grad.shape), seed, hyper,
-      block_size=block_size, layout=layout, update_nu=update_nu, absmax=absmax,
+    grad,
+    stored,
+    scales,
+    nu.reshape(grad.shape),
+    seed,
+    hyper,
+    block_size=block_size,
+    layout=layout,
+    update_nu=update_nu,
+    absmax=absmax,
   )
   return TernaryAdamStep(
-      direction,
-      ternary.TernaryArray(new_stored, new_scales),
-      new_nu.reshape(nu.shape) if update_nu else None,
+    direction,
+    ternary.TernaryArray(new_stored, new_scales),
+    new_nu.reshape(nu.shape) if update_nu else None,
   )
 
 
 def ternary_adam_update(
-    grad: jax.typing.ArrayLike,
-    momentum: ternary.TernaryArray,
-    nu: jax.typing.ArrayLike | None = None,
-    *,
-    nu_root: jax.typing.ArrayLike | None = None,
-    seed: jax.typing.ArrayLike,
-    count: jax.typing.ArrayLike,
-    b1: jax.typing.ArrayLike,
-    b2: jax.typing.ArrayLike,
-    eps: jax.typing.ArrayLike,
-    block_size: int,
-    packing: str = "base3",
-    block_absmax: jax.typing.ArrayLike | None = None,
+  grad: jax.typing.ArrayLike,
+  momentum: ternary.TernaryArray,
+  nu: jax.typing.ArrayLike | None = None,
+  *,
+  nu_root: jax.typing.ArrayLike | None = None,
+  seed: jax.typing.ArrayLike,
+  count: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  block_size: int,
+  packing: str = "base3",
+  block_absmax: jax.typing.ArrayLike | None = None,
 ) -> TernaryAdamStep:
   """One Adam step of a tensor whose first moment is stored as trits.
 
@@ -381,15 +398,15 @@ def ternary_adam_update(
     raise ValueError(f"momentum must be a TernaryArray; got {type(momentum).__name__}.")
   stored, scales = (jnp.asarray(a) for a in momentum)
   for name, actual, expected in zip(
-      ("packed", "scales"),
-      (stored, scales),
-      ternary.shapes(grad.shape, block_size=block_size, packing=packing),
+    ("packed", "scales"),
+    (stored, scales),
+    ternary.shapes(grad.shape, block_size=block_size, packing=packing),
   ):
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
       raise ValueError(
-          f"momentum.{name} must be {expected.dtype}{list(expected.shape)} for a"
-          f" gradient of shape {grad.shape}, block_size={block_size} and"
-          f" packing={packing!r}; got {actual.dtype}{list(actual.shape)}."
+        f"momentum.{name} must be {expected.dtype}{list(expected.shape)} for a"
+        f" gradient of shape {grad.shape}, block_size={block_size} and"
+        f" packing={packing!r}; got {actual.dtype}{list(actual.shape)}."
       )
   if (nu is None) == (nu_root is None):
     raise ValueError("Pass exactly one of nu (last step's, updated here) and nu_root.")
@@ -397,8 +414,8 @@ def ternary_adam_update(
   second_moment = jnp.asarray(second_moment)
   if second_moment.size != grad.size or not jnp.issubdtype(second_moment.dtype, jnp.floating):
     raise ValueError(
-        f"{name} must be a floating array of grad.size={grad.size} elements; got"
-        f" {second_moment.dtype}{list(second_moment.shape)}."
+      f"{name} must be a floating array of grad.size={grad.size} elements; got"
+      f" {second_moment.dtype}{list(second_moment.shape)}."
     )
   seed = jnp.asarray(seed)
   if seed.shape != () or seed.dtype != jnp.uint32:
@@ -410,6 +427,17 @@ def ternary_adam_update(
     raise ValueError(f"eps must be >= 0; got {eps}.")
 
   return _step(
-      grad, stored, scales, second_moment, seed, count, b1, b2, eps, block_absmax,
-      block_size=block_size, layout=layout, update_nu=nu is not None,
+    grad,
+    stored,
+    scales,
+    second_moment,
+    seed,
+    count,
+    b1,
+    b2,
+    eps,
+    block_absmax,
+    block_size=block_size,
+    layout=layout,
+    update_nu=nu is not None,
   )

@@ -60,9 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
-from pallas_kernels import static_args
+from pallas_kernels import _backend, dispatch, static_args
 
 KERNEL_ROW = 256
 # Block-local indices (0 .. block_size - 1) must fit in int32.
@@ -75,7 +73,7 @@ def _check_block_params(density, block_size) -> tuple[float, int]:
   """``(density, block_size)`` as Python numbers, or a ``ValueError`` naming the culprit."""
   density = static_args.check_fraction("density", density)
   block_size = static_args.check_int(
-      "block_size", block_size, 1, MAX_BLOCK_SIZE, hint=" (block-local indices fit in int32)"
+    "block_size", block_size, 1, MAX_BLOCK_SIZE, hint=" (block-local indices fit in int32)"
   )
   return density, block_size
 
@@ -153,9 +151,7 @@ def _block_parts(flat: jax.Array, *, density: float, block_size: int) -> list[tu
   return parts
 
 
-def block_topk_reference(
-    x: jax.Array, *, density: float, block_size: int
-) -> tuple[jax.Array, jax.Array]:
+def block_topk_reference(x: jax.Array, *, density: float, block_size: int) -> tuple[jax.Array, jax.Array]:
   """``block_topk`` in plain jnp: ``lax.top_k`` of the magnitude keys, block by block.
 
   ``lax.top_k`` puts the lower index first among equal keys, which is the
@@ -171,8 +167,8 @@ def block_topk_reference(
   if not indices:
     return jnp.zeros((0,), static_args.index_dtype(block_size)), jnp.zeros((0,), flat.dtype)
   return (
-      jnp.concatenate(indices).astype(static_args.index_dtype(block_size)),
-      jnp.concatenate(values),
+    jnp.concatenate(indices).astype(static_args.index_dtype(block_size)),
+    jnp.concatenate(values),
   )
 
 
@@ -204,26 +200,22 @@ def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
   ties_ref[block] = k - count(lambda keys: keys > threshold)
 
 
-def _kernel_thresholds(
-    blocks: jax.Array, k: int, *, interpret: bool
-) -> tuple[jax.Array, jax.Array]:
+def _kernel_thresholds(blocks: jax.Array, k: int, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
   """Runs ``_threshold_kernel`` on ``blocks[n_blocks, width]``, width a multiple of 256."""
   n_blocks, width = blocks.shape
   rows = width // KERNEL_ROW
   per_block = jax.ShapeDtypeStruct((n_blocks,), jnp.int32)
   kernel = _backend.mosaic_gpu_kernel(
-      functools.partial(_threshold_kernel, k=k, rows=rows),
-      out_type=(per_block, per_block),
-      grid=(n_blocks,),
-      grid_names=("blocks",),
-      interpret=interpret,
+    functools.partial(_threshold_kernel, k=k, rows=rows),
+    out_type=(per_block, per_block),
+    grid=(n_blocks,),
+    grid_names=("blocks",),
+    interpret=interpret,
   )
   return kernel(blocks.reshape(n_blocks, rows, KERNEL_ROW))
 
 
-def _compact(
-    keys: jax.Array, threshold: jax.Array, ties: jax.Array, k: int
-) -> jax.Array:
+def _compact(keys: jax.Array, threshold: jax.Array, ties: jax.Array, k: int) -> jax.Array:
   """Ascending block-local indices of each block's selection, from its threshold.
 
   Takes every key above ``threshold`` and the first ``ties`` keys equal to it
@@ -240,11 +232,7 @@ def _compact(
   slot = jnp.where(chosen, slot, k)
   block = jnp.arange(n_blocks, dtype=jnp.int32)[:, None]
   position = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), keys.shape)
-  return (
-      jnp.zeros((n_blocks, k), jnp.int32)
-      .at[block, slot]
-      .set(position, mode="drop")
-  )
+  return jnp.zeros((n_blocks, k), jnp.int32).at[block, slot].set(position, mode="drop")
 
 
 def _as_float_key(keys: jax.Array) -> jax.Array:
@@ -265,9 +253,7 @@ def _candidate_group(width: int, k: int) -> int:
   least at ``g ~ sqrt(width / k)``; below half of ``width`` (about
   ``density <= 3%``) the two ``lax.top_k`` calls beat one.
   """
-  cost, group = min(
-      (width // g + k * g, g) for g in (1, 2, 4, 8, 16, 32) if width % g == 0
-  )
+  cost, group = min((width // g + k * g, g) for g in (1, 2, 4, 8, 16, 32) if width % g == 0)
   return group if 2 * cost <= width else 1
 
 
@@ -312,9 +298,7 @@ def _select_pallas(blocks: jax.Array, k: int, *, interpret: bool) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("density", "block_size", "implementation"))
-def _block_topk(
-    x: jax.Array, *, density: float, block_size: int, implementation: str
-) -> tuple[jax.Array, jax.Array]:
+def _block_topk(x: jax.Array, *, density: float, block_size: int, implementation: str) -> tuple[jax.Array, jax.Array]:
   index_dtype = static_args.index_dtype(block_size)
   indices, values = [], []
   for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
@@ -333,24 +317,21 @@ def _block_topk(
 def _kernel_unsupported_reason(x: jax.Array, block_size: int) -> str | None:
   if block_size % KERNEL_ROW:
     return (
-        f"block_size must be a multiple of {KERNEL_ROW} for the Pallas kernel"
-        f" (a block is whole rows of {KERNEL_ROW}); got {block_size}."
-        " Use implementation='xla' for other block sizes."
+      f"block_size must be a multiple of {KERNEL_ROW} for the Pallas kernel"
+      f" (a block is whole rows of {KERNEL_ROW}); got {block_size}."
+      " Use implementation='xla' for other block sizes."
     )
   if jnp.dtype(x.dtype).itemsize > 4:
-    return (
-        "x must be a float type of at most 32 bits for the Pallas kernel; got"
-        f" {x.dtype}. Use implementation='xla'."
-    )
+    return f"x must be a float type of at most 32 bits for the Pallas kernel; got {x.dtype}. Use implementation='xla'."
   return None
 
 
 def block_topk(
-    x: jax.Array,
-    *,
-    density: float,
-    block_size: int,
-    implementation: dispatch.Implementation = None,
+  x: jax.Array,
+  *,
+  density: float,
+  block_size: int,
+  implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The ``density`` fraction of largest magnitudes in every block of ``block_size``.
 
@@ -404,16 +385,16 @@ def block_topk(
   density, block_size = _check_block_params(density, block_size)
   x = _float_array(x)
   return dispatch.run(
-      "block_topk",
-      implementation,
-      lambda resolved: _block_topk(x, density=density, block_size=block_size, implementation=resolved),
-      unsupported=_kernel_unsupported_reason(x, block_size),
+    "block_topk",
+    implementation,
+    lambda resolved: _block_topk(x, density=density, block_size=block_size, implementation=resolved),
+    unsupported=_kernel_unsupported_reason(x, block_size),
   )
 
 
 @functools.partial(jax.jit, static_argnames=("density", "block_size"))
 def _zero_selected(
-    x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
+  x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
 ) -> jax.Array:
   keys = magnitude_key(values)
   local = indices.astype(jnp.int32)
@@ -438,9 +419,7 @@ def _zero_selected(
   return jnp.where(jnp.concatenate(masks).reshape(x.shape), jnp.zeros((), x.dtype), x)
 
 
-def zero_selected(
-    x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
-) -> jax.Array:
+def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int) -> jax.Array:
   """``x`` with the entries ``block_topk(x, density=density, block_size=block_size)`` selected set to 0.
 
   The selection of each block is exactly the keys above its smallest
@@ -484,15 +463,14 @@ def zero_selected(
   if jnp.result_type(values) != x.dtype:
     # Thresholds read from rounded values would zero the wrong entries.
     raise ValueError(
-        f"values must have x's dtype {x.dtype}, as block_topk returns them; got"
-        f" {jnp.result_type(values)}."
+      f"values must have x's dtype {x.dtype}, as block_topk returns them; got {jnp.result_type(values)}."
     )
   expected = (selection_size(x.size, density=density, block_size=block_size),)
   if jnp.shape(indices) != expected or jnp.shape(values) != expected:
     raise ValueError(
-        f"indices and values must have shape {expected}, as block_topk returns for"
-        f" x of size {x.size}, density={density}, block_size={block_size}; got"
-        f" {jnp.shape(indices)} and {jnp.shape(values)}."
+      f"indices and values must have shape {expected}, as block_topk returns for"
+      f" x of size {x.size}, density={density}, block_size={block_size}; got"
+      f" {jnp.shape(indices)} and {jnp.shape(values)}."
     )
   return _zero_selected(x, indices, values, density=density, block_size=block_size)
 
@@ -502,15 +480,13 @@ def lowering_examples() -> list[_backend.LoweringExample]:
   examples = []
   for block_size, dtype in ((16384, jnp.float32), (28672, jnp.bfloat16)):
     size = 4 * block_size + 1000  # four full blocks and a padded tail block
-    fn = functools.partial(
-        block_topk, density=0.01, block_size=block_size, implementation="pallas"
-    )
+    fn = functools.partial(block_topk, density=0.01, block_size=block_size, implementation="pallas")
     examples.append(
-        _backend.LoweringExample(
-            name=f"block_topk_threshold_{block_size}_{jnp.dtype(dtype).name}",
-            backend=_backend.MOSAIC_GPU_CALL,
-            fn=fn,
-            args=(jax.ShapeDtypeStruct((size,), dtype),),
-        )
+      _backend.LoweringExample(
+        name=f"block_topk_threshold_{block_size}_{jnp.dtype(dtype).name}",
+        backend=_backend.MOSAIC_GPU_CALL,
+        fn=fn,
+        args=(jax.ShapeDtypeStruct((size,), dtype),),
+      )
     )
   return examples

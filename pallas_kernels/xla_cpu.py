@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
 # The widest row reduction XLA:CPU fuses with the computation of its input.
 FUSED_REDUCTION = 32
 
@@ -83,6 +82,7 @@ def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable
   ``FUSED_REDUCTION`` entries; a row still wider reduces in chunks of the
   widest divisor up to that, then across chunks.
   """
+
   def in_fused_steps(x):
     while x.shape[-1] % 2 == 0 and x.shape[-1] > FUSED_REDUCTION:
       half = x.shape[-1] // 2
@@ -91,15 +91,13 @@ def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable
     chunk = max(d for d in range(1, min(width, FUSED_REDUCTION) + 1) if width % d == 0)
     return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
 
-  return lax.platform_dependent(
-      x, cpu=_in_scope(in_fused_steps), default=lambda x: reduce(x, axis=-1, keepdims=True)
-  )
+  return lax.platform_dependent(x, cpu=_in_scope(in_fused_steps), default=lambda x: reduce(x, axis=-1, keepdims=True))
 
 
 def reduce_folded(
-    values: tuple[jax.Array, ...],
-    init_values: tuple[Any, ...],
-    combine: Callable[[tuple[jax.Array, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]],
+  values: tuple[jax.Array, ...],
+  init_values: tuple[Any, ...],
+  combine: Callable[[tuple[jax.Array, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]],
 ) -> tuple[jax.Array, ...]:
   """``lax.reduce(values, init_values, combine)`` over the last axis; on XLA:CPU folded in halves first.
 
@@ -111,6 +109,7 @@ def reduce_folded(
   Maxima and minima are the same bits; sums add in another order (XLA's
   reduce fixes none, and backends differ).
   """
+
   def reduce(*values):
     return lax.reduce(values, tuple(init_values), combine, (values[0].ndim - 1,))
 
@@ -172,10 +171,10 @@ def _state(direction: Any, *state: Any) -> tuple[Any, ...]:
 
 
 def tree_map(
-    step: Callable[..., tuple[Any, ...]],
-    tree: Any,
-    *rest: Any,
-    waits_for: Callable[..., Any] = _state,
+  step: Callable[..., tuple[Any, ...]],
+  tree: Any,
+  *rest: Any,
+  waits_for: Callable[..., Any] = _state,
 ) -> Any:
   """``jax.tree.map(step, tree, *rest)``; on XLA:CPU one leaf after another.
 

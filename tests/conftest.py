@@ -24,11 +24,11 @@ SEED_VARIABLE = "OPTAX_MEMOPT_TEST_SEED"
 FRESH = "fresh"
 
 settings.register_profile(
-    "ci",
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
+  "ci",
+  max_examples=25,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow],
+  derandomize=True,
 )
 settings.register_profile(FRESH, settings.get_profile("ci"), derandomize=False)
 settings.load_profile(FRESH if os.environ.get(SEED_VARIABLE) == FRESH else "ci")
@@ -60,5 +60,5 @@ def pytest_runtest_makereport(item, call):
     for name, value in item.user_properties:
       if name == "seed":
         report.sections.append(
-            ("random seed", f"seed {value}: replay with {SEED_VARIABLE}={value} pytest {item.nodeid}")
+          ("random seed", f"seed {value}: replay with {SEED_VARIABLE}={value} pytest {item.nodeid}")
         )

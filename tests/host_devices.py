@@ -16,8 +16,8 @@ REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 def environment(n_devices: int) -> dict[str, str]:
   """``os.environ`` with ``n_devices`` CPU devices and this repository importable."""
   return dict(
-      os.environ,
-      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}",
-      JAX_PLATFORMS="cpu",
-      PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
+    os.environ,
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
   )

@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from benchmarks import sharding as layout  # noqa: E402
 import optax_memopt  # noqa: E402
+from benchmarks import sharding as layout  # noqa: E402
 from tests.optimizer_cases import CASES  # noqa: E402
 
 N_DEVICES = 8
@@ -55,10 +55,10 @@ STEPS = 4
 SAVE_AFTER = 2
 FLOAT_TOLERANCE = 1e-5
 SHAPES = {
-    "embed": {"embedding": (64, 32)},
-    "dense": {"kernel": (32, 128), "bias": (128,)},
-    "out": {"kernel": (128, 64)},
-    "norm": {"scale": (32,)},
+  "embed": {"embedding": (64, 32)},
+  "dense": {"kernel": (32, 128), "bias": (128,)},
+  "out": {"kernel": (128, 64)},
+  "norm": {"scale": (32,)},
 }
 
 
@@ -66,18 +66,18 @@ def host_tree(seed: int, scale: float) -> dict:
   """The same numpy arrays in every process (from the seed)."""
   rng = np.random.default_rng(seed)
   return jax.tree.map(
-      lambda shape: rng.normal(0.0, scale, shape).astype(np.float32),
-      SHAPES,
-      is_leaf=lambda x: isinstance(x, tuple),
+    lambda shape: rng.normal(0.0, scale, shape).astype(np.float32),
+    SHAPES,
+    is_leaf=lambda x: isinstance(x, tuple),
   )
 
 
 def global_tree(host: dict, shardings) -> dict:
   """Global arrays of which each process builds only its own shards."""
   return jax.tree.map(
-      lambda array, sharding: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]),
-      host,
-      shardings,
+    lambda array, sharding: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]),
+    host,
+    shardings,
   )
 
 
@@ -107,8 +107,8 @@ def train(step, params, state, target, steps):
 def local_bytes(tree) -> int:
   """Bytes this process holds: each distinct shard of each leaf once."""
   return sum(
-      sum({str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}.values())
-      for leaf in jax.tree.leaves(tree)
+    sum({str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}.values())
+    for leaf in jax.tree.leaves(tree)
   )
 
 
@@ -157,9 +157,7 @@ def check(name: str, checkpoints: str) -> dict:
   param_shardings = layout.param_shardings(host_params, mesh)
   params = global_tree(host_params, param_shardings)
   target = global_tree(host_target, param_shardings)
-  state_shardings = optax_memopt.state_shardings(
-      jax.eval_shape(optimizer.init, params), params, param_shardings, mesh
-  )
+  state_shardings = optax_memopt.state_shardings(jax.eval_shape(optimizer.init, params), params, param_shardings, mesh)
   state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
   step = train_step(optimizer, (param_shardings, state_shardings))
 
@@ -173,31 +171,31 @@ def check(name: str, checkpoints: str) -> dict:
   fresh = case.factory(**case.kwargs)
   abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": fresh.init(p)}, params)
   abstract = jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-      abstract,
-      {"params": param_shardings, "opt_state": state_shardings},
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+    abstract,
+    {"params": param_shardings, "opt_state": state_shardings},
   )
   restored = ocp.StandardCheckpointer().restore(directory, abstract)
   resumed_params, resumed_state, _ = train(step, restored["params"], restored["opt_state"], target, STEPS - SAVE_AFTER)
 
   local_params, local_target = jax.device_put((host_params, host_target), jax.local_devices()[0])
   single_params, single_state, single_losses = train(
-      train_step(optimizer), local_params, optimizer.init(local_params), local_target, STEPS
+    train_step(optimizer), local_params, optimizer.init(local_params), local_target, STEPS
   )
   return {
-      "losses": losses,
-      "single_device_losses": single_losses,
-      "processes_holding_each_matrix": sorted(
-          {len({d.process_index for d in leaf.sharding.device_set}) for leaf in jax.tree.leaves(params) if leaf.ndim == 2}
-      ),
-      "local_state_bytes": local_bytes(expected_state),
-      "global_state_bytes": optax_memopt.state_nbytes(expected_state),
-      "resumed_equals_uninterrupted": bitwise_equal(expected_params, resumed_params)
-      and bitwise_equal(expected_state, resumed_state),
-      "mismatches_to_single_device": mismatched_leaves(
-          {"params": single_params, "opt_state": single_state},
-          {"params": expected_params, "opt_state": expected_state},
-      ),
+    "losses": losses,
+    "single_device_losses": single_losses,
+    "processes_holding_each_matrix": sorted(
+      {len({d.process_index for d in leaf.sharding.device_set}) for leaf in jax.tree.leaves(params) if leaf.ndim == 2}
+    ),
+    "local_state_bytes": local_bytes(expected_state),
+    "global_state_bytes": optax_memopt.state_nbytes(expected_state),
+    "resumed_equals_uninterrupted": bitwise_equal(expected_params, resumed_params)
+    and bitwise_equal(expected_state, resumed_state),
+    "mismatches_to_single_device": mismatched_leaves(
+      {"params": single_params, "opt_state": single_state},
+      {"params": expected_params, "opt_state": expected_state},
+    ),
   }
 
 
@@ -211,7 +209,7 @@ def main() -> None:
   args = parser.parse_args()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
   )
   if jax.device_count() != N_DEVICES:
     raise SystemExit(f"needs {N_DEVICES} devices over all processes, found {jax.device_count()}.")

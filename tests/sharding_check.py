@@ -49,9 +49,7 @@ import traceback
 # The device count is read once, when JAX starts.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  )
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402  (the device count must be set first)
 import jax.numpy as jnp  # noqa: E402
@@ -60,8 +58,8 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from benchmarks import sharding as layout  # noqa: E402
 import optax_memopt  # noqa: E402
+from benchmarks import sharding as layout  # noqa: E402
 from optax_memopt import state_nbytes  # noqa: E402
 from tests.optimizer_cases import SHARDING_CASES  # noqa: E402
 
@@ -73,27 +71,22 @@ RESTORE_AFTER = 2
 def make_params(seed: int = 0) -> dict:
   """A small Transformer-shaped tree whose matrices dominate the state."""
   shapes = {
-      "embed": {"embedding": (512, 256)},
-      "attention": {"query": {"kernel": (256, 512)}, "out": {"kernel": (512, 96)}},
-      "mlp": {
-          "up": {"kernel": (256, 512), "bias": (512,)},
-          "down": {"kernel": (512, 256)},
-      },
-      "mlp_norm": {"scale": (256,)},
+    "embed": {"embedding": (512, 256)},
+    "attention": {"query": {"kernel": (256, 512)}, "out": {"kernel": (512, 96)}},
+    "mlp": {
+      "up": {"kernel": (256, 512), "bias": (512,)},
+      "down": {"kernel": (512, 256)},
+    },
+    "mlp_norm": {"scale": (256,)},
   }
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
   rng = np.random.default_rng(seed)
-  return jax.tree.unflatten(
-      treedef, [rng.normal(0.0, 0.1, shape).astype(np.float32) for shape in leaves]
-  )
+  return jax.tree.unflatten(treedef, [rng.normal(0.0, 0.1, shape).astype(np.float32) for shape in leaves])
 
 
 def make_gradients(params: dict, steps: int, seed: int = 1) -> list[dict]:
   rng = np.random.default_rng(seed)
-  return [
-      jax.tree.map(lambda p: rng.normal(0.0, 1e-2, p.shape).astype(np.float32), params)
-      for _ in range(steps)
-  ]
+  return [jax.tree.map(lambda p: rng.normal(0.0, 1e-2, p.shape).astype(np.float32), params) for _ in range(steps)]
 
 
 def train_step(optimizer):
@@ -133,13 +126,11 @@ def differences(expected, actual) -> dict:
   """
   if jax.tree.structure(expected) != jax.tree.structure(actual):
     return {
-        "structure": f"{jax.tree.structure(expected)} != {jax.tree.structure(actual)}",
-        "rows": [],
+      "structure": f"{jax.tree.structure(expected)} != {jax.tree.structure(actual)}",
+      "rows": [],
     }
   rows, structure = [], []
-  for (path, want), got in zip(
-      jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual), strict=True
-  ):
+  for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual), strict=True):
     want, got = np.asarray(want), np.asarray(got)
     name = jax.tree_util.keystr(path)
     if (want.shape, want.dtype) != (got.shape, got.dtype):
@@ -148,16 +139,12 @@ def differences(expected, actual) -> dict:
     row = {"path": name, "dtype": str(want.dtype)}
     if is_code(want.dtype):
       # Bitwise: NaN payloads and signed zeros count as the stored value.
-      row["mismatched"] = int(
-          np.sum(want.view(f"u{want.itemsize}") != got.view(f"u{want.itemsize}"))
-      )
+      row["mismatched"] = int(np.sum(want.view(f"u{want.itemsize}") != got.view(f"u{want.itemsize}")))
     else:
       want64, got64 = want.astype(np.float64), got.astype(np.float64)
       finite = np.isfinite(want64) & np.isfinite(got64)
       scale = float(np.max(np.abs(want64[finite]), initial=0.0)) or 1.0
-      row["ulps"] = float(
-          np.max(np.abs(want64 - got64)[finite], initial=0.0) / (scale * np.finfo(np.float32).eps)
-      )
+      row["ulps"] = float(np.max(np.abs(want64 - got64)[finite], initial=0.0) / (scale * np.finfo(np.float32).eps))
       row["non_finite_mismatch"] = bool(np.any(np.isfinite(want64) != np.isfinite(got64)))
     rows.append(row)
   return {"structure": "; ".join(structure), "rows": rows}
@@ -165,9 +152,8 @@ def differences(expected, actual) -> dict:
 
 def bitwise_equal(expected, actual) -> bool:
   return jax.tree.structure(expected) == jax.tree.structure(actual) and all(
-      np.asarray(a).dtype == np.asarray(b).dtype
-      and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-      for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True)
+    np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(actual), strict=True)
   )
 
 
@@ -175,11 +161,9 @@ def sharding_changes(before, after) -> list[str]:
   if jax.tree.structure(before) != jax.tree.structure(after):
     return [f"structure: {jax.tree.structure(before)} -> {jax.tree.structure(after)}"]
   return [
-      f"{jax.tree_util.keystr(path)}: {old.sharding} -> {new.sharding}"
-      for (path, old), new in zip(
-          jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after), strict=True
-      )
-      if not new.sharding.is_equivalent_to(old.sharding, old.ndim)
+    f"{jax.tree_util.keystr(path)}: {old.sharding} -> {new.sharding}"
+    for (path, old), new in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after), strict=True)
+    if not new.sharding.is_equivalent_to(old.sharding, old.ndim)
   ]
 
 
@@ -188,9 +172,9 @@ def restore_sharded(saved, directory, shardings):
   checkpointer.save(directory, saved)
   checkpointer.wait_until_finished()
   target = jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-      saved,
-      shardings,
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+    saved,
+    shardings,
   )
   return checkpointer.restore(directory, target)
 
@@ -236,18 +220,14 @@ def check(name: str, workdir: str) -> dict:
 
   total = state_nbytes(final_state)
   result = {
-      "param_differences": differences(single_run[-1][0], final_params),
-      "state_differences": differences(single_run[-1][1], final_state),
-      "state_sharding_changes": sharding_changes(initial_state, final_state),
-      "param_sharding_changes": sharding_changes(params, final_params),
-      "total_state_bytes": total,
-      "per_device_state_bytes": sorted(layout.per_device_bytes(final_state).values()),
-      "split_like_params_bytes": layout.split_like_params_bytes(
-          final_state, final_params, param_shardings
-      ),
-      "under_split_leaves": layout.under_split_leaves(
-          final_state, final_params, param_shardings, 0.01 * total
-      ),
+    "param_differences": differences(single_run[-1][0], final_params),
+    "state_differences": differences(single_run[-1][1], final_state),
+    "state_sharding_changes": sharding_changes(initial_state, final_state),
+    "param_sharding_changes": sharding_changes(params, final_params),
+    "total_state_bytes": total,
+    "per_device_state_bytes": sorted(layout.per_device_bytes(final_state).values()),
+    "split_like_params_bytes": layout.split_like_params_bytes(final_state, final_params, param_shardings),
+    "under_split_leaves": layout.under_split_leaves(final_state, final_params, param_shardings, 0.01 * total),
   }
 
   for prefix, set_mesh in (("explicit", True), ("explicit_unset", False)):
@@ -260,17 +240,13 @@ def check(name: str, workdir: str) -> dict:
 
   saved_params, saved_state = single_run[RESTORE_AFTER - 1]
   restored = restore_sharded(
-      {"params": saved_params, "opt_state": saved_state},
-      os.path.join(workdir, name),
-      {"params": param_shardings, "opt_state": state_shardings},
+    {"params": saved_params, "opt_state": saved_state},
+    os.path.join(workdir, name),
+    {"params": param_shardings, "opt_state": state_shardings},
   )
   resumed = train(step, restored["params"], restored["opt_state"], sharded_grads[RESTORE_AFTER:])
-  result["restored_bitwise_equal"] = bitwise_equal(
-      {"params": saved_params, "opt_state": saved_state}, restored
-  )
-  result["restored_sharding_changes"] = sharding_changes(
-      {"params": params, "opt_state": initial_state}, restored
-  )
+  result["restored_bitwise_equal"] = bitwise_equal({"params": saved_params, "opt_state": saved_state}, restored)
+  result["restored_sharding_changes"] = sharding_changes({"params": params, "opt_state": initial_state}, restored)
   result["resumed_state_differences"] = differences(single_run[-1][1], resumed[-1][1])
   result["resumed_param_differences"] = differences(single_run[-1][0], resumed[-1][0])
   return result
@@ -279,8 +255,8 @@ def check(name: str, workdir: str) -> dict:
 def main(names: list[str]) -> None:
   if jax.device_count() < N_DEVICES:
     raise SystemExit(
-        f"needs {N_DEVICES} devices, found {jax.device_count()}: set"
-        f" XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES} before JAX starts."
+      f"needs {N_DEVICES} devices, found {jax.device_count()}: set"
+      f" XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES} before JAX starts."
     )
   results = {}
   with tempfile.TemporaryDirectory() as workdir:

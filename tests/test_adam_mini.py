@@ -80,15 +80,19 @@ def replay(data, meta, layout):
   keys = {name: convert(name, data[f"init/{name}"])[0] for name in names}
   params = build({keys[n]: jnp.asarray(convert(n, data[f"init/{n}"])[1]) for n in names})
   optimizer = optax_memopt.adam_mini(
-      meta["lr"], meta["b1"], meta["b2"], meta["eps"], meta["weight_decay"],
-      rules=rules, n_heads=meta["n_heads"], n_kv_heads=meta["n_kv_heads"],
+    meta["lr"],
+    meta["b1"],
+    meta["b2"],
+    meta["eps"],
+    meta["weight_decay"],
+    rules=rules,
+    n_heads=meta["n_heads"],
+    n_kv_heads=meta["n_kv_heads"],
   )
   state = optimizer.init(params)
   update = jax.jit(optimizer.update)
   for step in range(1, meta["steps"] + 1):
-    grads = build(
-        {keys[n]: jnp.asarray(convert(n, data[f"grad/{step}/{n}"])[1]) for n in names}
-    )
+    grads = build({keys[n]: jnp.asarray(convert(n, data[f"grad/{step}/{n}"])[1]) for n in names})
     updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     for name in names:
@@ -108,9 +112,7 @@ def test_float64_matches_reference_to_1e12(layout):
   with jax.enable_x64(True):
     for step, name, ours, theirs in replay(data, meta, layout):
       assert ours.dtype == np.float64
-      np.testing.assert_allclose(
-          ours, theirs, rtol=0, atol=1e-12, err_msg=f"{layout} step {step} {name}"
-      )
+      np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12, err_msg=f"{layout} step {step} {name}")
 
 
 @pytest.mark.parametrize("layout", ["torch", "flax"])
@@ -139,18 +141,18 @@ def numpy_adam_mini(param_grads, block_axes, b1, b2, eps):
 
 # (params path, shape, numpy view of one leaf, axes averaged within a block)
 FLAX_CASES = [
-    (("dense", "kernel"), (12, 10), (12, 10), (0,)),
-    (("attn", "query", "kernel"), (12, 3, 4), (12, 3, 4), (0, 2)),  # DenseGeneral
-    (("attn", "key", "kernel"), (12, 8), (12, 2, 4), (0, 2)),  # fused, overridden
-    (("attn", "value", "kernel"), (12, 3, 4), (12, 3, 4), (0,)),
-    (("attn", "out", "kernel"), (3, 4, 12), (3, 4, 12), (0, 1)),
-    (("embed", "embedding"), (7, 12), (7, 12), (1,)),
-    (("norm", "scale"), (12,), (12,), (0,)),
-    (("dense", "bias"), (10,), (10,), ()),
-    (("conv", "kernel"), (3, 3, 2, 5), (3, 3, 2, 5), (0, 1, 2)),
-    # Stacked by scan (stacked_modules="blocks"): axis 0 is the layer.
-    (("blocks", "mlp", "kernel"), (2, 12, 6), (2, 12, 6), (1,)),
-    (("blocks", "query", "kernel"), (2, 12, 12), (2, 12, 3, 4), (1, 3)),
+  (("dense", "kernel"), (12, 10), (12, 10), (0,)),
+  (("attn", "query", "kernel"), (12, 3, 4), (12, 3, 4), (0, 2)),  # DenseGeneral
+  (("attn", "key", "kernel"), (12, 8), (12, 2, 4), (0, 2)),  # fused, overridden
+  (("attn", "value", "kernel"), (12, 3, 4), (12, 3, 4), (0,)),
+  (("attn", "out", "kernel"), (3, 4, 12), (3, 4, 12), (0, 1)),
+  (("embed", "embedding"), (7, 12), (7, 12), (1,)),
+  (("norm", "scale"), (12,), (12,), (0,)),
+  (("dense", "bias"), (10,), (10,), ()),
+  (("conv", "kernel"), (3, 3, 2, 5), (3, 3, 2, 5), (0, 1, 2)),
+  # Stacked by scan (stacked_modules="blocks"): axis 0 is the layer.
+  (("blocks", "mlp", "kernel"), (2, 12, 6), (2, 12, 6), (1,)),
+  (("blocks", "query", "kernel"), (2, 12, 12), (2, 12, 3, 4), (1, 3)),
 ]
 
 
@@ -164,35 +166,35 @@ def test_flax_rules_match_numpy_rederivation_over_steps(seed):
     return optax_memopt.BlockRule("per head", split=(-1, 2)) if path == "attn/key/kernel" else None
 
   optimizer = optax_memopt.scale_by_adam_mini(
-      b1, b2, eps, rules=(two_key_heads, "flax"), n_heads=3, stacked_modules="blocks"
+    b1, b2, eps, rules=(two_key_heads, "flax"), n_heads=3, stacked_modules="blocks"
   )
   state = optimizer.init(params)
   history = []
   for _ in range(3):
     grads = {
-        keys: rng.normal(size=shape).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0])
-        for keys, shape, _, _ in FLAX_CASES
+      keys: rng.normal(size=shape).astype(np.float32) * rng.choice([1e-3, 1.0, 30.0])
+      for keys, shape, _, _ in FLAX_CASES
     }
     history.append(grads)
     updates, state = jax.jit(optimizer.update)(nest(grads), state)
   for keys, _, view, block_axes in FLAX_CASES:
-    expected = numpy_adam_mini(
-        [(grads[keys], view) for grads in history], block_axes, b1, b2, eps
-    )
+    expected = numpy_adam_mini([(grads[keys], view) for grads in history], block_axes, b1, b2, eps)
     np.testing.assert_allclose(
-        _get(updates, keys), expected, rtol=2e-5, atol=1e-6,
-        err_msg=f"{'/'.join(keys)} (seed {seed})",
+      _get(updates, keys),
+      expected,
+      rtol=2e-5,
+      atol=1e-6,
+      err_msg=f"{'/'.join(keys)} (seed {seed})",
     )
 
 
 def test_state_shapes_and_mu_dtype():
-  params = {"dense": {"kernel": jnp.zeros((6, 5)), "bias": jnp.zeros(5)},
-            "norm": {"scale": jnp.zeros(6, jnp.bfloat16)}}
+  params = {"dense": {"kernel": jnp.zeros((6, 5)), "bias": jnp.zeros(5)}, "norm": {"scale": jnp.zeros(6, jnp.bfloat16)}}
   state = optax_memopt.scale_by_adam_mini(mu_dtype=jnp.bfloat16).init(params)
   assert jax.tree.map(lambda x: (x.shape, x.dtype), state.nu) == {
-      "dense": {"kernel": ((1, 5), jnp.float32), "bias": ((5,), jnp.float32)},
-      # v stays at least float32 however narrow the parameter.
-      "norm": {"scale": ((1,), jnp.float32)},
+    "dense": {"kernel": ((1, 5), jnp.float32), "bias": ((5,), jnp.float32)},
+    # v stays at least float32 however narrow the parameter.
+    "norm": {"scale": ((1,), jnp.float32)},
   }
   assert all(m.dtype == jnp.bfloat16 for m in jax.tree.leaves(state.mu))
   assert state.count.dtype == jnp.int32
@@ -205,9 +207,7 @@ def golden_shaped_params(dtype):
 
 def blocks_of_golden_model(meta):
   """Adam-mini blocks of the golden Llama model, counted from its config."""
-  dim, heads, kv_heads, ffn, vocab = (
-      meta[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn", "vocab")
-  )
+  dim, heads, kv_heads, ffn, vocab = (meta[k] for k in ("dim", "n_heads", "n_kv_heads", "ffn", "vocab"))
   head_dim = dim // heads
   per_layer = heads + kv_heads + kv_heads * head_dim + dim + 2 * ffn + dim + 2
   # embed, lm_head: one per token; final norm and position_scale: one each.
@@ -219,9 +219,10 @@ def test_float32_state_bytes_are_adamw_times_n_plus_b_over_2n():
   n = sum(p.size for p in jax.tree.leaves(params))
   b = blocks_of_golden_model(meta)
   count_bytes = 4
-  ours = state_nbytes(
-      jax.eval_shape(optax_memopt.adam_mini(1e-3, rules="torch", n_heads=4, n_kv_heads=2).init, params)
-  ) - count_bytes
+  ours = (
+    state_nbytes(jax.eval_shape(optax_memopt.adam_mini(1e-3, rules="torch", n_heads=4, n_kv_heads=2).init, params))
+    - count_bytes
+  )
   adamw = state_nbytes(jax.eval_shape(optax.adamw(1e-3).init, params)) - count_bytes
   assert ours * 2 * n == adamw * (n + b)
   assert ours == 4 * (n + b)
@@ -231,17 +232,14 @@ def test_bfloat16_mu_halves_the_state_again():
   params, meta = golden_shaped_params(jnp.float32)
   n = sum(p.size for p in jax.tree.leaves(params))
   b = blocks_of_golden_model(meta)
-  optimizer = optax_memopt.adam_mini(
-      1e-3, rules="torch", n_heads=4, n_kv_heads=2, mu_dtype=jnp.bfloat16
-  )
+  optimizer = optax_memopt.adam_mini(1e-3, rules="torch", n_heads=4, n_kv_heads=2, mu_dtype=jnp.bfloat16)
   ours = state_nbytes(jax.eval_shape(optimizer.init, params)) - 4
   assert ours == 2 * n + 4 * b
 
 
 def llama2_7b_torch_shapes(dtype=jnp.float32):
   vocab, dim, layers, ffn = 32000, 4096, 32, 11008
-  shapes = {"model.embed_tokens.weight": (vocab, dim), "model.norm.weight": (dim,),
-            "lm_head.weight": (vocab, dim)}
+  shapes = {"model.embed_tokens.weight": (vocab, dim), "model.norm.weight": (dim,), "lm_head.weight": (vocab, dim)}
   for i in range(layers):
     prefix = f"model.layers.{i}."
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -275,9 +273,9 @@ def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases(seed):
   lr, wd, b1, b2, eps = 0.1, 0.5, 0.9, 0.999, 1e-8
   # (path, shape, block axes of the Flax rules, decayed by the reference's mask)
   leaves = {
-      ("dense", "kernel"): ((4, 3), (0,), True),  # per output neuron
-      ("dense", "bias"): ((3,), (), False),  # per element
-      ("ln_f", "scale"): ((3,), (0,), False),  # whole tensor
+    ("dense", "kernel"): ((4, 3), (0,), True),  # per output neuron
+    ("dense", "bias"): ((3,), (), False),  # per element
+    ("ln_f", "scale"): ((3,), (0,), False),  # whole tensor
   }
   params = {keys: rng.normal(size=shape) for keys, (shape, _, _) in leaves.items()}
   grads = [{keys: rng.normal(size=shape) for keys, (shape, _, _) in leaves.items()} for _ in range(3)]
@@ -286,7 +284,7 @@ def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases(seed):
   state = optimizer.init(ours)
   for step in range(1, len(grads) + 1):
     updates, state = optimizer.update(
-        nest({keys: jnp.asarray(g, jnp.float32) for keys, g in grads[step - 1].items()}), state, ours
+      nest({keys: jnp.asarray(g, jnp.float32) for keys, g in grads[step - 1].items()}), state, ours
     )
     ours = optax.apply_updates(ours, updates)
   for keys, (shape, block_axes, decayed) in leaves.items():
@@ -304,13 +302,13 @@ def test_weight_decay_uses_the_old_parameter_and_skips_norms_and_biases(seed):
 
 
 @pytest.mark.parametrize(
-    "kwargs, static_args, traced",
-    [
-        (dict(n_heads=4), (), "n_heads"),
-        (dict(n_heads=4, n_kv_heads=2), ("n_heads",), "n_kv_heads"),
-        # A type: inject_hyperparams takes it for a schedule and calls it.
-        (dict(n_heads=4, mu_dtype=jnp.bfloat16), ("n_heads",), "mu_dtype"),
-    ],
+  "kwargs, static_args, traced",
+  [
+    (dict(n_heads=4), (), "n_heads"),
+    (dict(n_heads=4, n_kv_heads=2), ("n_heads",), "n_kv_heads"),
+    # A type: inject_hyperparams takes it for a schedule and calls it.
+    (dict(n_heads=4, mu_dtype=jnp.bfloat16), ("n_heads",), "mu_dtype"),
+  ],
 )
 def test_traced_shape_fixing_hyperparameter_is_named_with_static_args(kwargs, static_args, traced):
   params = {"attention": {"query": {"kernel": jnp.zeros((8, 8))}}}
@@ -325,18 +323,18 @@ def test_traced_shape_fixing_hyperparameter_is_named_with_static_args(kwargs, st
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(b1=1.0), "b1"),
-        (dict(b2=-0.1), "b2"),
-        (dict(eps=-1.0), "eps"),
-        (dict(n_heads=0), "n_heads"),
-        (dict(n_heads=8, n_kv_heads=3), "n_kv_heads=3 must divide"),
-        (dict(n_kv_heads=2), "needs n_heads"),
-        (dict(rules="pytorch"), "unknown rule set 'pytorch'"),
-        (dict(rules=("flax", 3)), "rules"),
-        (dict(stacked_modules=("layers", "")), "stacked_modules"),
-    ],
+  "kwargs, message",
+  [
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=-1.0), "eps"),
+    (dict(n_heads=0), "n_heads"),
+    (dict(n_heads=8, n_kv_heads=3), "n_kv_heads=3 must divide"),
+    (dict(n_kv_heads=2), "needs n_heads"),
+    (dict(rules="pytorch"), "unknown rule set 'pytorch'"),
+    (dict(rules=("flax", 3)), "rules"),
+    (dict(stacked_modules=("layers", "")), "stacked_modules"),
+  ],
 )
 def test_bad_arguments_raise_at_build_time(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -366,16 +364,12 @@ def test_trains_the_small_transformer_about_as_well_as_adamw():
   run = dict(steps=120, batch_size=8, seq_len=64, seed=0)
   adamw = loop.train(config, optax.adamw(3e-3, weight_decay=0.01), **run)
   ours = loop.train(
-      config,
-      optax_memopt.adam_mini(
-          3e-3, weight_decay=0.01, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads
-      ),
-      **run,
+    config,
+    optax_memopt.adam_mini(3e-3, weight_decay=0.01, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads),
+    **run,
   )
   # Byte-level cross-entropy starts near ln(256) = 5.5; both must learn far
   # below it, Adam-mini within 5% of AdamW, with about half its state.
   assert adamw.validation_loss < 3.0
-  assert ours.validation_loss < 1.05 * adamw.validation_loss, (
-      ours.validation_loss, adamw.validation_loss
-  )
+  assert ours.validation_loss < 1.05 * adamw.validation_loss, (ours.validation_loss, adamw.validation_loss)
   assert ours.state_bytes < 0.55 * adamw.state_bytes

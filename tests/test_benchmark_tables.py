@@ -17,7 +17,7 @@ def test_the_h100_compile_tables_are_rendered_from_the_results():
 
 
 def test_the_readmes_bytes_moved_column_quotes_the_results():
-  """"Choosing an optimizer": each row's float32 bytes moved, as a ratio to AdamW's, from the same file."""
+  """ "Choosing an optimizer": each row's float32 bytes moved, as a ratio to AdamW's, from the same file."""
   readme = (ROOT / "README.md").read_text()
   table = readme.split("## Choosing an optimizer")[1].split("\n\n")[1].splitlines()
   header = [cell.strip() for cell in table[0].strip("|").split("|")]
@@ -46,7 +46,7 @@ def choosing_table() -> tuple[list[str], dict[str, list[str]]]:
 
 
 def test_the_readmes_state_bytes_column_is_what_the_states_hold():
-  """"Choosing an optimizer": each row's state bytes per parameter, as benchmarks.memory computes them."""
+  """ "Choosing an optimizer": each row's state bytes per parameter, as benchmarks.memory computes them."""
   from benchmarks import memory
 
   header, rows = choosing_table()
@@ -62,7 +62,8 @@ def test_the_readme_quotes_no_step_time_outside_its_table():
   """Step times live in benchmarks/README.md: the README's prose names none (they drift between runs)."""
   readme = (ROOT / "README.md").read_text()
   prose = re.sub(r"```.*?```", "", readme, flags=re.S).replace(
-      readme.split("## Choosing an optimizer")[1].split("\n\n")[1], "")
+    readme.split("## Choosing an optimizer")[1].split("\n\n")[1], ""
+  )
   assert not re.findall(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?(?:ms|x\b|minutes|seconds)", prose)
 
 

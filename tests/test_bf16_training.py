@@ -71,9 +71,9 @@ def test_bfloat16_parameters_descend_like_float32(name, seed):
   _, float32_distances = descend(build(name, learning_rate=LEARNING_RATE), float32_start, target)
   bfloat16_params, bfloat16_distances = descend(build(name, learning_rate=LEARNING_RATE), start, target)
   context = (
-      f"{name}, seed {seed}: distance to the target from {float32_distances[0]:.4f} to"
-      f" {float32_distances[-1]:.4f} in float32, {bfloat16_distances[-1]:.4f} in bfloat16;"
-      f" bound {BOUND:.3f}"
+    f"{name}, seed {seed}: distance to the target from {float32_distances[0]:.4f} to"
+    f" {float32_distances[-1]:.4f} in float32, {bfloat16_distances[-1]:.4f} in bfloat16;"
+    f" bound {BOUND:.3f}"
   )
 
   assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(bfloat16_params)), context

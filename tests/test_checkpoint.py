@@ -24,10 +24,10 @@ import optax_memopt
 from optax_memopt import checkpoint
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import (
-    build,
-    make_params,
-    make_target,
-    quadratic_loss,
+  build,
+  make_params,
+  make_target,
+  quadratic_loss,
 )
 
 NAMES = sorted(CASES)
@@ -85,14 +85,14 @@ def test_resumed_run_equals_uninterrupted_run(name, dtype, seed, tmp_path):
   assert jax.tree.structure(restored) == jax.tree.structure(saved), f"seed {seed}"
   assert bitwise(restored) == bitwise(saved), f"seed {seed}"
   counts = [
-      int(leaf)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(restored["opt_state"])[0]
-      if jax.tree_util.keystr(path).endswith("count") and leaf.ndim == 0
+    int(leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(restored["opt_state"])[0]
+    if jax.tree_util.keystr(path).endswith("count") and leaf.ndim == 0
   ]
   assert counts and set(counts) == {STEPS_BEFORE_SAVE}, f"step counts after restoring: {counts}"
 
   resumed_params, resumed_state = run(
-      train_step(fresh), restored["params"], restored["opt_state"], targets[STEPS_BEFORE_SAVE:]
+    train_step(fresh), restored["params"], restored["opt_state"], targets[STEPS_BEFORE_SAVE:]
   )
   assert bitwise(resumed_params) == bitwise(expected_params), f"seed {seed}"
   assert bitwise(resumed_state) == bitwise(expected_state), f"seed {seed}"

@@ -17,28 +17,43 @@ SEEDS = (0, 1, 2)
 
 def fake_run(optimizer, exponent, seed, loss, *, task="finetune", seconds=10.0):
   return {
-      "size": "small", "task": task, "optimizer": optimizer, "exponent": exponent, "seed": seed,
-      "learning_rate": 1e-3 * 3.0 ** exponent, "validation_loss": loss,
-      "final_train_loss": None if loss is None else loss - 0.4, "diverged_at_step": 7 if loss is None else None,
-      "state_bytes": 800, "adamw_state_bytes": 800, "n_params": 100, "ms_per_step": 20.0, "seconds": seconds,
-      "train_losses": [3.0, 2.5, 2.0],
+    "size": "small",
+    "task": task,
+    "optimizer": optimizer,
+    "exponent": exponent,
+    "seed": seed,
+    "learning_rate": 1e-3 * 3.0**exponent,
+    "validation_loss": loss,
+    "final_train_loss": None if loss is None else loss - 0.4,
+    "diverged_at_step": 7 if loss is None else None,
+    "state_bytes": 800,
+    "adamw_state_bytes": 800,
+    "n_params": 100,
+    "ms_per_step": 20.0,
+    "seconds": seconds,
+    "train_losses": [3.0, 2.5, 2.0],
   }
 
 
 def fake_results(runs, *, max_exponent=2):
   return {
-      "protocol": {"sizes": {"small": {"finetune": {"seeds": list(SEEDS), "steps": 30, "start": [-1, 0, 1],
-                                                 "optimizers": None}}},
-                   "n_params": {"small": 100}, "max_exponent": max_exponent},
-      "bases": {"small": {"validation_loss_before": 2.5}},
-      "runs": runs,
+    "protocol": {
+      "sizes": {"small": {"finetune": {"seeds": list(SEEDS), "steps": 30, "start": [-1, 0, 1], "optimizers": None}}},
+      "n_params": {"small": 100},
+      "max_exponent": max_exponent,
+    },
+    "bases": {"small": {"validation_loss_before": 2.5}},
+    "runs": runs,
   }
 
 
 def sweep(optimizer, losses_by_exponent, offsets=(0.0, 0.01, -0.01)):
   """Runs of every seed at each rate, the seeds ``offsets`` away from the rate's loss."""
-  return [fake_run(optimizer, e, s, None if loss is None else loss + offset)
-          for e, loss in losses_by_exponent.items() for s, offset in zip(SEEDS, offsets)]
+  return [
+    fake_run(optimizer, e, s, None if loss is None else loss + offset)
+    for e, loss in losses_by_exponent.items()
+    for s, offset in zip(SEEDS, offsets)
+  ]
 
 
 def test_standard_error_is_the_sample_deviation_over_root_n():
@@ -47,7 +62,9 @@ def test_standard_error_is_the_sample_deviation_over_root_n():
   assert convergence.standard_error([1.0, math.inf]) is None
 
 
-@pytest.mark.parametrize("means, expected", [
+@pytest.mark.parametrize(
+  "means, expected",
+  [
     ({}, -1),
     ({-1: 2.0, 0: 1.9}, 1),
     ({-1: 2.0, 0: 1.9, 1: 1.8}, 2),  # Best at the top: one rate up.
@@ -57,14 +74,18 @@ def test_standard_error_is_the_sample_deviation_over_root_n():
     ({-2: 1.6, -1: 1.7, 0: 1.9, 1: 2.0}, None),
     ({-1: 1.8, 0: 1.8, 1: 1.9}, -2),  # A tie goes to the smaller rate, here an edge.
     ({-1: math.inf, 0: math.inf, 1: math.inf}, -2),  # All diverged: smaller rates.
-])
+  ],
+)
 def test_a_sweep_adds_the_next_rate_beyond_an_edge_best_until_the_limit(means, expected):
   assert convergence.next_exponent(means, start=(-1, 0, 1), limit=2) == expected
 
 
 def test_a_row_is_the_best_complete_rate_with_its_standard_error_and_gap():
-  results = fake_results(sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9}) + sweep("other", {-1: 2.1, 0: 2.0, 1: 1.9, 2: 1.95})
-                         + [fake_run("other", -2, 0, 1.0)])  # One seed of a rate: not complete, not counted.
+  results = fake_results(
+    sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9})
+    + sweep("other", {-1: 2.1, 0: 2.0, 1: 1.9, 2: 1.95})
+    + [fake_run("other", -2, 0, 1.0)]
+  )  # One seed of a rate: not complete, not counted.
   adamw, other = convergence.rows_of(results, "small", "finetune")
   assert (adamw.exponent, adamw.validation_loss, adamw.finished, adamw.at_edge) == (0, pytest.approx(1.8), True, False)
   assert adamw.standard_error == pytest.approx(0.01 / math.sqrt(3))
@@ -85,7 +106,8 @@ def test_the_table_marks_a_best_rate_at_the_edge_of_its_grid():
 
 def test_render_gives_means_standard_errors_gaps_and_what_is_missing():
   results = fake_results(sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9}) + sweep("other", {-1: 2.1, 0: 2.0, 1: None}))
-  assert convergence.render(results, ["adamw", "other", "third"]) == "\n".join([
+  assert convergence.render(results, ["adamw", "other", "third"]) == "\n".join(
+    [
       "Fine-tuning AdamW's pre-trained weights on the standard library's source (`stdlib_source`), small model"
       " (100 parameters), 30 steps, 3 seeds (validation loss before: 2.500). Partial (not run yet: third).",
       "",
@@ -95,7 +117,8 @@ def test_render_gives_means_standard_errors_gaps_and_what_is_missing():
       "| other | 1.0e-03 (x1) | 2.000 ± 0.006 | +0.200 ± 0.000 | 1.600 | 2.100 | 2.000 | diverged | 8.000 |",
       "",
       "![finetune, small](figures/convergence_finetune_small.png)",
-  ])
+    ]
+  )
 
 
 def test_the_readmes_quality_cell_waits_for_both_sweeps():
@@ -156,7 +179,7 @@ def test_the_convergence_tables_are_rendered_from_the_committed_results(committe
 
 
 def test_the_readmes_quality_column_quotes_the_results(committed):
-  """"Choosing an optimizer": each row's fine-tuning gap to AdamW, from the committed results."""
+  """ "Choosing an optimizer": each row's fine-tuning gap to AdamW, from the committed results."""
   readme = (ROOT / "README.md").read_text()
   table = readme.split("## Choosing an optimizer")[1].split("\n\n")[1].splitlines()
   header = [cell.strip() for cell in table[0].strip("|").split("|")]
@@ -196,11 +219,15 @@ def test_8bit_adamw_forgets_the_second_moment_of_gradients_tiny_beside_their_blo
 
   adam = second_step(optax.adam(1.0))
   eight_bit = second_step(optax_memopt.adamw_8bit(1.0))
-  remedy = second_step(optax.partition({"quantized": optax_memopt.adamw_8bit(1.0), "float32": optax.adam(1.0)},
-                                       lambda p: optimizers.vocabulary_in_float32(p, names=("lm_head",))))
+  remedy = second_step(
+    optax.partition(
+      {"quantized": optax_memopt.adamw_8bit(1.0), "float32": optax.adam(1.0)},
+      lambda p: optimizers.vocabulary_in_float32(p, names=("lm_head",)),
+    )
+  )
   assert adam["layer"] < 1.0
   assert eight_bit["layer"] > 100 * adam["layer"]
   assert remedy["lm_head"] == pytest.approx(adam["lm_head"], rel=1e-4) and remedy["layer"] == eight_bit["layer"]
   assert optimizers.vocabulary_in_float32(
-      {"embed": {"embedding": 0}, "lm_head": {"kernel": 0}, "layers": {0: {"kernel": 0}}}
+    {"embed": {"embedding": 0}, "lm_head": {"kernel": 0}, "layers": {0: {"kernel": 0}}}
   ) == {"embed": {"embedding": "float32"}, "lm_head": {"kernel": "float32"}, "layers": {0: {"kernel": "quantized"}}}

@@ -6,7 +6,6 @@ import pytest
 
 from pallas_kernels import _backend, dispatch
 
-
 _MARKERS = {"xla": 7001, "pallas": 7002, "interpret": 7003}
 
 
@@ -54,7 +53,7 @@ def test_none_is_decided_by_the_platform_lowered_for(monkeypatch):
 def test_none_takes_xla_for_a_gpu_older_than_hopper(monkeypatch):
   monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
   assert {op: _constant_returned(_lowered(op, None, "cuda")) for op in dispatch.FASTER_ON_HOPPER} == dict.fromkeys(
-      dispatch.FASTER_ON_HOPPER, "xla"
+    dispatch.FASTER_ON_HOPPER, "xla"
   )
 
 
@@ -63,7 +62,9 @@ class _FakeGpu:
     self.compute_capability = compute_capability
 
 
-@pytest.mark.parametrize(("capabilities", "runs"), [(["9.0"], True), (["10.0", "9.0"], True), (["8.0"], False), (["9.0", "8.6"], False)])
+@pytest.mark.parametrize(
+  ("capabilities", "runs"), [(["9.0"], True), (["10.0", "9.0"], True), (["8.0"], False), (["9.0", "8.6"], False)]
+)
 def test_the_process_cuda_devices_decide_the_generation(monkeypatch, capabilities, runs):
   monkeypatch.setattr(jax, "devices", lambda backend=None: [_FakeGpu(c) for c in capabilities])
   assert dispatch.cuda_target_runs_mosaic_gpu() == runs
@@ -82,5 +83,11 @@ def test_a_kernel_that_cannot_take_the_arguments_raises_when_named_and_is_skippe
   for named in ("pallas", "interpret"):
     with pytest.raises(ValueError, match="multiple of 256"):
       dispatch.run("quantize", named, _path, unsupported=reason)
-  assert _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", None, _path, unsupported=reason))) == "xla"
-  assert _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", "xla", _path, unsupported=reason))) == "xla"
+  assert (
+    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", None, _path, unsupported=reason)))
+    == "xla"
+  )
+  assert (
+    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", "xla", _path, unsupported=reason)))
+    == "xla"
+  )

@@ -35,11 +35,11 @@ from hypothesis import given, settings
 
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import (
-    build,
-    make_params,
-    make_target,
-    quadratic_loss,
-    shapes_and_dtypes,
+  build,
+  make_params,
+  make_target,
+  quadratic_loss,
+  shapes_and_dtypes,
 )
 
 NAMES = sorted(CASES)
@@ -62,10 +62,9 @@ def belongs_to_faulty_leaf(path) -> bool:
 
 def non_finite_state_leaves(state) -> list[str]:
   return [
-      jax.tree_util.keystr(path)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-      if jnp.issubdtype(leaf.dtype, jnp.inexact)
-      and not np.all(np.isfinite(np.asarray(leaf).astype(np.float32)))
+    jax.tree_util.keystr(path)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    if jnp.issubdtype(leaf.dtype, jnp.inexact) and not np.all(np.isfinite(np.asarray(leaf).astype(np.float32)))
   ]
 
 
@@ -104,30 +103,28 @@ def test_non_finite_gradient_stays_visible_and_contained(name, bad_value, seed):
     others_clean = {k: v for k, v in clean_updates[t].items() if k != "dense"}
     others_faulty = {k: v for k, v in faulty_updates[t].items() if k != "dense"}
     assert bitwise(others_faulty) == bitwise(others_clean), f"step {t}: {context}"
-    assert bitwise(faulty_updates[t]["dense"]["bias"]) == bitwise(
-        clean_updates[t]["dense"]["bias"]
-    ), f"step {t}: dense/bias touched ({context})"
+    assert bitwise(faulty_updates[t]["dense"]["bias"]) == bitwise(clean_updates[t]["dense"]["bias"]), (
+      f"step {t}: dense/bias touched ({context})"
+    )
 
     finite = np.isfinite(kernel_updates[t])
     largest = float(np.max(np.abs(kernel_updates[t][finite]), initial=0.0))
     assert largest <= SCALE_FACTOR * clean_scale, (
-        f"step {t}: finite updates up to {largest:.3g} against at most {clean_scale:.3g} in the"
-        f" clean run: the fault turned into silent garbage ({context})"
+      f"step {t}: finite updates up to {largest:.3g} against at most {clean_scale:.3g} in the"
+      f" clean run: the fault turned into silent garbage ({context})"
     )
     # A non-finite state must surface in the update of this step or the next.
     hidden = non_finite_state_leaves(faulty_states[t])
     surfaces = [not np.all(np.isfinite(u)) for u in kernel_updates[t : t + 2]]
-    assert not hidden or any(surfaces), (
-        f"step {t}: non-finite state {hidden} behind finite updates ({context})"
-    )
+    assert not hidden or any(surfaces), f"step {t}: non-finite state {hidden} behind finite updates ({context})"
 
   clean_leaves = jax.tree_util.tree_flatten_with_path(clean_state)[0]
   for (path, faulty_leaf), (_, clean_leaf) in zip(
-      jax.tree_util.tree_flatten_with_path(faulty_state)[0], clean_leaves, strict=True
+    jax.tree_util.tree_flatten_with_path(faulty_state)[0], clean_leaves, strict=True
   ):
     if not belongs_to_faulty_leaf(path):
       assert np.asarray(faulty_leaf).tobytes() == np.asarray(clean_leaf).tobytes(), (
-          f"{jax.tree_util.keystr(path)} touched by a fault in another tensor ({context})"
+        f"{jax.tree_util.keystr(path)} touched by a fault in another tensor ({context})"
       )
 
 
@@ -135,22 +132,22 @@ def test_non_finite_gradient_stays_visible_and_contained(name, bad_value, seed):
 # Invalid hyper-parameters.
 
 INVALID_VALUES = {
-    "learning_rate": [-1e-3],
-    "b1": [-0.1, 1.0],
-    "b2": [-0.1, 1.0],
-    "beta": [-0.1, 1.0],
-    "eps": [-1e-8],
-    "density": [0.0, 1.5],
-    "window": [0],
-    "block_size": [0],
-    "bucket_size": [0],
-    "k": [-1],
-    "min_size": [-1],
-    "n_heads": [0],
-    "n_kv_heads": [0],
-    "rules": ["no_such_rules"],
-    "packing": ["no_such_packing"],
-    "implementation": ["no_such_implementation"],
+  "learning_rate": [-1e-3],
+  "b1": [-0.1, 1.0],
+  "b2": [-0.1, 1.0],
+  "beta": [-0.1, 1.0],
+  "eps": [-1e-8],
+  "density": [0.0, 1.5],
+  "window": [0],
+  "block_size": [0],
+  "bucket_size": [0],
+  "k": [-1],
+  "min_size": [-1],
+  "n_heads": [0],
+  "n_kv_heads": [0],
+  "rules": ["no_such_rules"],
+  "packing": ["no_such_packing"],
+  "implementation": ["no_such_implementation"],
 }
 # Words and signs by which a message states the allowed values.
 RANGE_PATTERN = re.compile(r"[\[\(]|>=|<=|>|<|one of|known|positive|multiple|at least|at most")
@@ -186,7 +183,7 @@ def test_invalid_hyperparameter_is_refused_when_built(name, argument, value):
     message = str(error)
     assert argument in message, f"the error does not name {argument!r}: {message}"
     assert RANGE_PATTERN.search(message.replace(repr(value), "")), (
-        f"the error does not state the allowed values of {argument!r}: {message}"
+      f"the error does not state the allowed values of {argument!r}: {message}"
     )
     return
   params = make_params()
@@ -202,14 +199,14 @@ def test_invalid_hyperparameter_is_refused_when_built(name, argument, value):
 # Unusual parameters.
 
 ODD_LEAVES = {
-    "int32": lambda: jnp.arange(12, dtype=jnp.int32).reshape(3, 4),
-    # Real-valued, so that weight decay adds no imaginary part of its own.
-    "complex64": lambda: jnp.full((8, 4), 0.5, jnp.complex64),
-    "scalar": lambda: jnp.asarray(0.5, jnp.float32),
-    "zero_size_matrix": lambda: jnp.zeros((0, 4), jnp.float32),
-    "zero_size_vector": lambda: jnp.zeros((0,), jnp.float32),
-    "none": lambda: None,
-    "masked_node": optax.MaskedNode,
+  "int32": lambda: jnp.arange(12, dtype=jnp.int32).reshape(3, 4),
+  # Real-valued, so that weight decay adds no imaginary part of its own.
+  "complex64": lambda: jnp.full((8, 4), 0.5, jnp.complex64),
+  "scalar": lambda: jnp.asarray(0.5, jnp.float32),
+  "zero_size_matrix": lambda: jnp.zeros((0, 4), jnp.float32),
+  "zero_size_vector": lambda: jnp.zeros((0,), jnp.float32),
+  "none": lambda: None,
+  "masked_node": optax.MaskedNode,
 }
 
 
@@ -219,13 +216,13 @@ ODD_LEAVES = {
 # selected magnitudes have no phase; Adam-mini keeps complex parameters, its
 # second moment being the block mean of |g|^2 as optax's Adam takes |g|^2.
 REFUSED_AT_INIT = {
-    "adam_mini": {"int32"},
-    "microadam": {"int32", "complex64"},
-    "taco": {"int32", "complex64"},
-    "ternary_adam": {"int32", "complex64"},
-    "adamw_8bit": {"int32", "complex64"},
-    "adamw_4bit": {"int32", "complex64"},
-    "adamw_fp8": {"int32", "complex64"},
+  "adam_mini": {"int32"},
+  "microadam": {"int32", "complex64"},
+  "taco": {"int32", "complex64"},
+  "ternary_adam": {"int32", "complex64"},
+  "adamw_8bit": {"int32", "complex64"},
+  "adamw_4bit": {"int32", "complex64"},
+  "adamw_fp8": {"int32", "complex64"},
 }
 # Leaves every optimizer handles as optax.adamw does.
 ALWAYS_HANDLED = {"scalar", "zero_size_matrix", "zero_size_vector", "none", "masked_node"}
@@ -234,16 +231,14 @@ ODD_PATH = "block/odd"
 
 def _params_with(kind: str) -> dict:
   return {
-      "dense": {"kernel": jnp.full((8, 4), 0.5, jnp.float32)},
-      "block": {"odd": ODD_LEAVES[kind]()},
+    "dense": {"kernel": jnp.full((8, 4), 0.5, jnp.float32)},
+    "block": {"odd": ODD_LEAVES[kind]()},
   }
 
 
 def _step(optimizer, params):
   # A complex gradient with an imaginary part, so that dropping it shows.
-  grads = jax.tree.map(
-      lambda p: jnp.full_like(p, 1 + 1j) if jnp.iscomplexobj(p) else jnp.ones_like(p), params
-  )
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1 + 1j) if jnp.iscomplexobj(p) else jnp.ones_like(p), params)
   state = optimizer.init(params)
   updates, new_state = jax.jit(optimizer.update)(grads, state, params)
   return updates, state, new_state
@@ -257,10 +252,10 @@ def _optax_step(kind: str):
 def _assert_refusal_is_clear(message: str, name: str, kind: str) -> None:
   """The message names the optimizer, the parameter's path and dtype, and what is supported."""
   for what, word in [
-      ("the optimizer", name),
-      ("the parameter's path", repr(ODD_PATH)),
-      ("the dtype", kind),
-      ("what is supported", "supports"),
+    ("the optimizer", name),
+    ("the parameter's path", repr(ODD_PATH)),
+    ("the dtype", kind),
+    ("what is supported", "supports"),
   ]:
     assert word in message, f"the refusal does not name {what} ({word!r}): {message}"
 
@@ -290,9 +285,7 @@ def test_unusual_parameter_handled_as_optax_or_refused_clearly(name, kind):
   # optax.adamw's moments of an integer parameter turn float after a step.
   if shapes_and_dtypes(optax_new_state) == shapes_and_dtypes(optax_state):
     assert shapes_and_dtypes(new_state) == shapes_and_dtypes(state)
-  for leaf, expected in zip(
-      jax.tree.leaves(updates), jax.tree.leaves(expected_updates), strict=True
-  ):
+  for leaf, expected in zip(jax.tree.leaves(updates), jax.tree.leaves(expected_updates), strict=True):
     assert bool(jnp.all(jnp.isfinite(leaf))), f"non-finite update for a {kind} parameter"
     if jnp.iscomplexobj(expected) and bool(jnp.any(expected.imag != 0)):
       assert bool(jnp.any(leaf.imag != 0)), "the imaginary part of the gradient was dropped"
@@ -307,19 +300,19 @@ def parameter_trees(draw):
   """One to three leaves of rank 0 to 3, up to 3000 elements, fp32 or bf16."""
   dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
   shapes = draw(
-      st.lists(
-          st.lists(st.integers(1, 70), max_size=3).filter(lambda s: math.prod(s) <= 3000),
-          min_size=1,
-          max_size=3,
-      )
+    st.lists(
+      st.lists(st.integers(1, 70), max_size=3).filter(lambda s: math.prod(s) <= 3000),
+      min_size=1,
+      max_size=3,
+    )
   )
   seed = draw(st.integers(0, 2**31 - 1))
   rng = np.random.default_rng(seed)
   # Flax-like names, so that rule-based methods see kernels, biases and scales.
   names = {0: "scale", 1: "bias"}
   return {
-      f"layer{i}": {names.get(len(shape), "kernel"): jnp.asarray(rng.normal(0, 0.5, shape), dtype)}
-      for i, shape in enumerate(shapes)
+    f"layer{i}": {names.get(len(shape), "kernel"): jnp.asarray(rng.normal(0, 0.5, shape), dtype)}
+    for i, shape in enumerate(shapes)
   }
 
 

@@ -40,7 +40,9 @@ def test_named_llama_configs_have_the_published_shapes(llama2_7b):
   assert llama_count(32000, 4096, 32, 11008) == LLAMA2_7B_PARAMS
   assert llama_count(32000, 5120, 40, 13824) == LLAMA2_13B_PARAMS
   assert count(llama2_7b) == LLAMA2_7B_PARAMS
-  assert all(isinstance(leaf, jax.ShapeDtypeStruct) and leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(llama2_7b))
+  assert all(
+    isinstance(leaf, jax.ShapeDtypeStruct) and leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(llama2_7b)
+  )
   llama2_13b = fit.model_params("llama2_13b", jnp.bfloat16)
   assert count(llama2_13b) == LLAMA2_13B_PARAMS
   assert {leaf.dtype for leaf in jax.tree.leaves(llama2_13b)} == {jnp.dtype(jnp.bfloat16)}
@@ -104,39 +106,45 @@ def dense_layer_state_bytes(name: str, param_bytes: int, devices: int) -> int:
   # (under 4096 elements) keeps float32 m and v.
   lowbit_bias = split(8 * bias)
   formulas = {
-      # m and v in float32: the baseline.
-      "adamw": split(8 * (kernel + bias)) + count,
-      # m in bfloat16, v in the parameters' dtype.
-      "adamw_bf16": split((2 + param_bytes) * (kernel + bias)) + count,
-      # Factored v of the kernel (one per row and one per column, and a
-      # one-entry placeholder), full v of the bias (two one-entry
-      # placeholders), in the parameters' dtype.
-      "adafactor": split(param_bytes * (r + c)) + whole(param_bytes) + split(param_bytes * c)
-      + whole(2 * param_bytes) + count,
-      # A window of 10 top-k slots (int16 index, bfloat16 value), k = 1% of
-      # each block of 16384 rounded up: 8 blocks of 164 for the kernel, 3 for
-      # the bias; 4-bit error feedback (half a byte per element) with a
-      # bfloat16 minimum and maximum per bucket of 1024.
-      "microadam": split(10 * 8 * 164 * 4) + whole(10 * 3 * 4) + split(kernel // 2 + bias // 2)
-      + split(2 * 2 * kernel // 1024) + whole(2 * 2) + count,
-      # m like the parameters; v per output neuron of the kernel (one row of
-      # 256, float32), per element of the bias.
-      "adam_mini": split(param_bytes * (kernel + bias)) + whole(4 * c) + split(4 * bias) + count,
-      # Kernel: m as base-3 trits, 5 per byte, in blocks of 128 (26 bytes)
-      # with a float32 scale each; v factored in float32 (rows and columns).
-      # Bias (below min_size): float32 m and v. A two-word key.
-      "ternary_adam": split(r * (c // 128) * (26 + 4)) + split(4 * (r + c)) + split(8 * bias)
-      + whole(8) + count,
-      # Kernel: per input feature (row) 16 parts of one slot, an int16 index
-      # and a float8 momentum each, and a bfloat16 scale. Bias: Adam's m and v
-      # in the parameters' dtype. Two step counts.
-      "taco": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
-      # One part of 16 slots: the same bytes.
-      "taco_one_segment": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
-      "adamw_8bit": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
-      # One byte holds both 4-bit codes.
-      "adamw_4bit": split(kernel + 2 * 4 * kernel // 128) + lowbit_bias + count,
-      "adamw_fp8": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
+    # m and v in float32: the baseline.
+    "adamw": split(8 * (kernel + bias)) + count,
+    # m in bfloat16, v in the parameters' dtype.
+    "adamw_bf16": split((2 + param_bytes) * (kernel + bias)) + count,
+    # Factored v of the kernel (one per row and one per column, and a
+    # one-entry placeholder), full v of the bias (two one-entry
+    # placeholders), in the parameters' dtype.
+    "adafactor": split(param_bytes * (r + c))
+    + whole(param_bytes)
+    + split(param_bytes * c)
+    + whole(2 * param_bytes)
+    + count,
+    # A window of 10 top-k slots (int16 index, bfloat16 value), k = 1% of
+    # each block of 16384 rounded up: 8 blocks of 164 for the kernel, 3 for
+    # the bias; 4-bit error feedback (half a byte per element) with a
+    # bfloat16 minimum and maximum per bucket of 1024.
+    "microadam": split(10 * 8 * 164 * 4)
+    + whole(10 * 3 * 4)
+    + split(kernel // 2 + bias // 2)
+    + split(2 * 2 * kernel // 1024)
+    + whole(2 * 2)
+    + count,
+    # m like the parameters; v per output neuron of the kernel (one row of
+    # 256, float32), per element of the bias.
+    "adam_mini": split(param_bytes * (kernel + bias)) + whole(4 * c) + split(4 * bias) + count,
+    # Kernel: m as base-3 trits, 5 per byte, in blocks of 128 (26 bytes)
+    # with a float32 scale each; v factored in float32 (rows and columns).
+    # Bias (below min_size): float32 m and v. A two-word key.
+    "ternary_adam": split(r * (c // 128) * (26 + 4)) + split(4 * (r + c)) + split(8 * bias) + whole(8) + count,
+    # Kernel: per input feature (row) 16 parts of one slot, an int16 index
+    # and a float8 momentum each, and a bfloat16 scale. Bias: Adam's m and v
+    # in the parameters' dtype. Two step counts.
+    "taco": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
+    # One part of 16 slots: the same bytes.
+    "taco_one_segment": split(r * (16 * 3 + 2)) + split(2 * param_bytes * bias) + 2 * count,
+    "adamw_8bit": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
+    # One byte holds both 4-bit codes.
+    "adamw_4bit": split(kernel + 2 * 4 * kernel // 128) + lowbit_bias + count,
+    "adamw_fp8": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
   }
   return formulas[name]
 
@@ -177,7 +185,10 @@ def test_sharded_bytes_are_one_devices_share(seed):
   result = fit.report(params, devices=devices, optimizer_names=["adamw"])
   row = result.row("adamw")
   assert (row.param_bytes, row.gradient_bytes, row.state_bytes) == (
-      4 * per_device, 4 * per_device, 8 * per_device + 4), f"seed {seed}, {devices} devices, shapes {shapes}"
+    4 * per_device,
+    4 * per_device,
+    8 * per_device + 4,
+  ), f"seed {seed}, {devices} devices, shapes {shapes}"
   # The whole (unsharded) state over all parameters: two float32 moments and the int32 step count.
   n_params = sum(math.prod(s) for s in shapes)
   assert row.state_bytes_per_param == pytest.approx((8 * n_params + 4) / n_params, rel=1e-12), f"seed {seed}"
@@ -197,10 +208,14 @@ def test_every_registered_optimizer_is_reported_and_unbuildable_ones_say_why(mon
   def refuses(learning_rate, config):
     def init(params):
       raise ValueError("refuses these parameters")
+
     return optax.GradientTransformation(init, None)
 
-  monkeypatch.setitem(optimizers.OPTIMIZERS, "sgd_momentum",
-                      optimizers.OptimizerSpec(lambda lr, config: optax.sgd(lr, momentum=0.9), 1e-2, "SGD"))
+  monkeypatch.setitem(
+    optimizers.OPTIMIZERS,
+    "sgd_momentum",
+    optimizers.OptimizerSpec(lambda lr, config: optax.sgd(lr, momentum=0.9), 1e-2, "SGD"),
+  )
   monkeypatch.setitem(optimizers.OPTIMIZERS, "refuses", optimizers.OptimizerSpec(refuses, 1e-2, "refuses"))
   params = {"w": jnp.zeros((32, 48))}
   result = fit.report(params, memory="1MB", n_heads=4, n_kv_heads=2)
@@ -212,10 +227,19 @@ def test_every_registered_optimizer_is_reported_and_unbuildable_ones_say_why(mon
     result.fits("refuses")
 
 
-@pytest.mark.parametrize("text, nbytes", [
-    ("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("80 gib", 80 * 2**30), ("1.5TB", 15 * 10**11),
-    ("512MiB", 2**29), ("4096", 4096), ("24kb", 24_000), (141 * 10**9, 141 * 10**9),
-])
+@pytest.mark.parametrize(
+  "text, nbytes",
+  [
+    ("80GB", 80 * 10**9),
+    ("80GiB", 80 * 2**30),
+    ("80 gib", 80 * 2**30),
+    ("1.5TB", 15 * 10**11),
+    ("512MiB", 2**29),
+    ("4096", 4096),
+    ("24kb", 24_000),
+    (141 * 10**9, 141 * 10**9),
+  ],
+)
 def test_parse_memory(text, nbytes):
   assert fit.parse_memory(text).nbytes == nbytes
 
@@ -240,14 +264,17 @@ def test_report_refuses_bad_input_naming_it():
     fit.model_params("gpt5")
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--model", "gpt5"], "--model: unknown model 'gpt5'; choose from llama2_7b, llama2_13b"),
     (["--memory", "80 gigs"], "--memory: memory must be a size"),
     (["--devices", "0"], "--devices: must be >= 1; got 0"),
     (["--param-dtype", "int8"], "--param-dtype: must be a floating-point dtype"),
     (["--param-dtype", "floaty"], "--param-dtype: must be a floating-point dtype"),
     (["--optimizers", "adamw", "sgd"], "--optimizers: unknown optimizer 'sgd'"),
-])
+  ],
+)
 def test_cli_bad_input_names_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     fit.main(argv)

@@ -137,9 +137,9 @@ def test_nnx_optimizer_trains_as_plain_optax_does(name, seed):
     plain_losses.append(float(loss))
   np.testing.assert_allclose(losses, plain_losses, rtol=1e-5, err_msg=f"{name}, seed {seed}")
   jax.tree.map(
-      lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name}, seed {seed}"),
-      nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-      params,
+    lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name}, seed {seed}"),
+    nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    params,
   )
 
 
@@ -206,7 +206,7 @@ def test_orbax_checkpoint_of_nnx_optimizer_resumes_bitwise(name, tmp_path, seed)
   assert int(resumed_optimizer.step[...]) == STEPS_BEFORE_SAVE
   assert train(resumed_model, resumed_optimizer, data, STEPS_AFTER_SAVE) == expected_losses, f"{name}, seed {seed}"
   assert bitwise(nnx.to_pure_dict(nnx.state((resumed_model, resumed_optimizer)))) == bitwise(
-      nnx.to_pure_dict(nnx.state((model, optimizer)))
+    nnx.to_pure_dict(nnx.state((model, optimizer)))
   ), f"{name}, seed {seed}"
 
 
@@ -216,7 +216,7 @@ def test_linen_train_state_trains(name, seed):
   tokens, labels = make_data(seed)
   network = LinenClassifier()
   state = train_state.TrainState.create(
-      apply_fn=network.apply, params=network.init(jax.random.key(seed), tokens)["params"], tx=transformation(name)
+    apply_fn=network.apply, params=network.init(jax.random.key(seed), tokens)["params"], tx=transformation(name)
   )
 
   @jax.jit

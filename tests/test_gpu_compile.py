@@ -32,7 +32,7 @@ def _plugin_present() -> bool:
 PLUGIN = _plugin_present()
 REQUIRED = os.environ.get("OPTAX_MEMOPT_GPU_COMPILE") == "required"
 needs_plugin = pytest.mark.skipif(
-    not PLUGIN and not REQUIRED, reason="JAX's CUDA plugin is not installed (the gpu-compile extra)"
+  not PLUGIN and not REQUIRED, reason="JAX's CUDA plugin is not installed (the gpu-compile extra)"
 )
 
 # An optimized module in XLA's text format: a multi-output fusion over two
@@ -106,8 +106,10 @@ def test_without_the_plugin_the_error_says_how_to_install_it():
   with pytest.raises(gpu_compile.GpuCompilerMissing, match=r"optax-memopt\[gpu-compile\]"):
     gpu_compile.compile_step(optax.adamw(1e-3), {"w": jax.ShapeDtypeStruct((8,), jnp.float32)})
   run = subprocess.run(
-      [sys.executable, "-m", "optax_memopt.fit", "--model", "tiny", "--compile", "h100"],
-      capture_output=True, text=True, timeout=300,
+    [sys.executable, "-m", "optax_memopt.fit", "--model", "tiny", "--compile", "h100"],
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
   assert run.returncode == 2
   assert "--compile h100" in run.stderr and "gpu-compile" in run.stderr
@@ -168,9 +170,21 @@ def test_peak_report_on_eval_shape_params_and_the_planners_option():
   assert report.fits("adamw") and "| adamw |" in str(report)
 
   run = subprocess.run(
-      [sys.executable, "-m", "optax_memopt.fit", "--model", "tiny", "--compile", "h100",
-       "--optimizers", "adamw", "adam_mini"],
-      capture_output=True, text=True, timeout=600,
+    [
+      sys.executable,
+      "-m",
+      "optax_memopt.fit",
+      "--model",
+      "tiny",
+      "--compile",
+      "h100",
+      "--optimizers",
+      "adamw",
+      "adam_mini",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
   )
   assert run.returncode == 0, run.stderr
   assert "XLA's peak" in run.stdout and "| adam_mini |" in run.stdout.split("XLA's peak")[1]

@@ -20,7 +20,11 @@ from optax_memopt import state_nbytes
 from tests.test_gpu_compile import gpu_compile, needs_plugin
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "lowbit_adamw" / "torchao_adamw_lowbit_f32.npz"
-ALIASES = {"adamw_8bit": optax_memopt.adamw_8bit, "adamw_4bit": optax_memopt.adamw_4bit, "adamw_fp8": optax_memopt.adamw_fp8}
+ALIASES = {
+  "adamw_8bit": optax_memopt.adamw_8bit,
+  "adamw_4bit": optax_memopt.adamw_4bit,
+  "adamw_fp8": optax_memopt.adamw_fp8,
+}
 # The parameters' error per step, relative to a tensor's largest entry, is
 # what float32 rounding explains. The chain computes p - lr (u + wd p), the
 # reference p (1 - lr wd) - lr u: per step they differ by four roundings of
@@ -82,9 +86,9 @@ def numpy_adamw(kind, params, grads_per_step, *, lr, b1, b2, eps, weight_decay, 
   """Parameters, stored (decoded) moments and directions after each step, as the spec's float32 formula."""
   tables = golden_tables()
   mu_table, nu_table = {
-      "adamw_8bit": (tables["8bit_signed"], tables["8bit_unsigned"]),
-      "adamw_4bit": (tables["4bit_signed"], tables["4bit_unsigned"]),
-      "adamw_fp8": (None, None),
+    "adamw_8bit": (tables["8bit_signed"], tables["8bit_unsigned"]),
+    "adamw_4bit": (tables["4bit_signed"], tables["4bit_unsigned"]),
+    "adamw_fp8": (None, None),
   }[kind]
   f = np.float32
   params = {k: np.asarray(v, np.float32) for k, v in params.items()}
@@ -121,9 +125,14 @@ def decoded_moments(kind, state, name, block_size):
   if kind == "adamw_4bit":
     mu, nu = mu & 15, mu >> 4
   decoded = []
-  for codes, scales, code in ((mu, state.mu_scales[name], state_format.mu_code), (nu, state.nu_scales[name], state_format.nu_code)):
+  for codes, scales, code in (
+    (mu, state.mu_scales[name], state_format.mu_code),
+    (nu, state.nu_scales[name], state_format.nu_code),
+  ):
     q = map_codes.MapQuantized(codes.reshape(-1), scales.reshape(-1))
-    decoded.append(np.asarray(map_codes.map_dequantize(q, size=codes.size, code=code, block_size=block_size)).reshape(codes.shape))
+    decoded.append(
+      np.asarray(map_codes.map_dequantize(q, size=codes.size, code=code, block_size=block_size)).reshape(codes.shape)
+    )
   return decoded
 
 
@@ -164,15 +173,15 @@ def test_tails_threshold_and_dtypes_match_the_numpy_emulation(kind, dtype, seed)
   rng = np.random.default_rng(seed)
   block_size, min_size = 64, 200
   shapes = {
-      "tail": (5, 47),  # 235 elements: blocks of 64 across rows, last one of 43.
-      "rows": (3, 128),  # blocks tile the rows: scales (3, 2, 1).
-      "at_threshold": (200,),  # quantized: one block of 8 at the end.
-      "below_threshold": (199,),  # float32 moments.
+    "tail": (5, 47),  # 235 elements: blocks of 64 across rows, last one of 43.
+    "rows": (3, 128),  # blocks tile the rows: scales (3, 2, 1).
+    "at_threshold": (200,),  # quantized: one block of 8 at the end.
+    "below_threshold": (199,),  # float32 moments.
   }
   params = {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
   grads = [
-      {k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 1, s), dtype) for k, s in shapes.items()}
-      for _ in range(3)
+    {k: jnp.asarray(rng.standard_normal(s) * 10.0 ** rng.uniform(-3, 1, s), dtype) for k, s in shapes.items()}
+    for _ in range(3)
   ]
   lr = weight_decay = POWER_OF_TWO_RATE
   hyper = dict(b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
@@ -180,10 +189,13 @@ def test_tails_threshold_and_dtypes_match_the_numpy_emulation(kind, dtype, seed)
   state = optimizer.init(params)
   step = jax.jit(optimizer.update)
   expected = numpy_adamw(
-      kind,
-      {k: np.asarray(v.astype(jnp.float32)) for k, v in params.items()},
-      [{k: np.asarray(v.astype(jnp.float32)) for k, v in g.items()} for g in grads],
-      lr=lr, **hyper, block_size=block_size, min_size=min_size,
+    kind,
+    {k: np.asarray(v.astype(jnp.float32)) for k, v in params.items()},
+    [{k: np.asarray(v.astype(jnp.float32)) for k, v in g.items()} for g in grads],
+    lr=lr,
+    **hyper,
+    block_size=block_size,
+    min_size=min_size,
   )
   for t, g in enumerate(grads):
     updates, state = step(g, state, params)
@@ -204,7 +216,7 @@ def test_tails_threshold_and_dtypes_match_the_numpy_emulation(kind, dtype, seed)
       decayed = direction + np.float32(weight_decay) * np.asarray(params[name].astype(jnp.float32))
       rounding = UNIT_ROUNDOFF[dtype]
       bound = lr * (
-          (rounding + DIRECTION_ERROR) * np.abs(direction) + (rounding + UNIT_ROUNDOFF[jnp.float32]) * np.abs(decayed)
+        (rounding + DIRECTION_ERROR) * np.abs(direction) + (rounding + UNIT_ROUNDOFF[jnp.float32]) * np.abs(decayed)
       )
       error = np.abs(np.asarray(updates[name].astype(jnp.float32)) + np.float32(lr) * decayed)
       assert np.all(error <= bound), f"{message}: {np.max(error / bound):.3f} of the bound"
@@ -224,8 +236,16 @@ def test_scalars_and_tiny_tensors_quantize_when_no_threshold(kind, seed):
   state = optimizer.init(params)
   assert all(state[0].mu[k].dtype != jnp.float32 for k in shapes)
   expected = numpy_adamw(
-      kind, {k: np.asarray(v) for k, v in params.items()}, [{k: np.asarray(v) for k, v in g.items()} for g in grads],
-      lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, block_size=64, min_size=0,
+    kind,
+    {k: np.asarray(v) for k, v in params.items()},
+    [{k: np.asarray(v) for k, v in g.items()} for g in grads],
+    lr=1e-2,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    weight_decay=0.0,
+    block_size=64,
+    min_size=0,
   )
   for t, g in enumerate(grads):
     updates, state = jax.jit(optimizer.update)(g, state, params)
@@ -242,12 +262,12 @@ def test_scalars_and_tiny_tensors_quantize_when_no_threshold(kind, seed):
 
 
 @pytest.mark.parametrize(
-    "kind,codes_dtype,scales_shape,bytes_per_param",
-    [
-        ("adamw_8bit", jnp.uint8, (1024, 16, 1), 2 + 8 / 256),
-        ("adamw_4bit", jnp.uint8, (1024, 32, 1), 1 + 8 / 128),
-        ("adamw_fp8", jnp.float8_e4m3fn, (1024, 16, 1), 2 + 8 / 256),
-    ],
+  "kind,codes_dtype,scales_shape,bytes_per_param",
+  [
+    ("adamw_8bit", jnp.uint8, (1024, 16, 1), 2 + 8 / 256),
+    ("adamw_4bit", jnp.uint8, (1024, 32, 1), 1 + 8 / 128),
+    ("adamw_fp8", jnp.float8_e4m3fn, (1024, 16, 1), 2 + 8 / 256),
+  ],
 )
 def test_state_layout_and_bytes(kind, codes_dtype, scales_shape, bytes_per_param):
   params = {"w": jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16), "b": jax.ShapeDtypeStruct((4096,), jnp.float32)}
@@ -284,15 +304,15 @@ def test_a_block_of_zero_gradients_gets_the_smallest_scale():
 
 
 @pytest.mark.parametrize(
-    "kwargs,argument",
-    [
-        (dict(block_size=0), "block_size"),
-        (dict(block_size=64.0), "block_size"),
-        (dict(min_quantized_size=-1), "min_quantized_size"),
-        (dict(b1=1.0), "b1"),
-        (dict(eps=-1.0), "eps"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-    ],
+  "kwargs,argument",
+  [
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=64.0), "block_size"),
+    (dict(min_quantized_size=-1), "min_quantized_size"),
+    (dict(b1=1.0), "b1"),
+    (dict(eps=-1.0), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+  ],
 )
 def test_invalid_hyperparameters_raise_naming_them(kwargs, argument):
   with pytest.raises(ValueError, match=rf"^{argument} "):

@@ -16,5 +16,12 @@ def test_moments_of_another_layout_are_refused_naming_the_field():
   moments = fused_step.zero_moments((4, 128), state_format="fp8", block_size=128)
   with pytest.raises(ValueError, match=r"^moments.mu must be float8_e4m3fn\[4, 256\]"):
     fused_step.lowbit_adamw_update(
-        grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="fp8", block_size=128,
+      grad,
+      moments,
+      count=1,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      state_format="fp8",
+      block_size=128,
     )

@@ -28,10 +28,10 @@ def golden_maps() -> dict[str, np.ndarray]:
   assert GOLDEN_MAPS.exists(), f"golden data missing: {GOLDEN_MAPS}"
   with np.load(GOLDEN_MAPS) as data:
     return {
-        "dynamic_8bit_signed": data["qmap/8bit_signed"],
-        "dynamic_8bit_unsigned": data["qmap/8bit_unsigned"],
-        "dynamic_4bit_signed": data["qmap/4bit_signed"],
-        "linear_4bit_unsigned": data["qmap/4bit_unsigned"],
+      "dynamic_8bit_signed": data["qmap/8bit_signed"],
+      "dynamic_8bit_unsigned": data["qmap/8bit_unsigned"],
+      "dynamic_4bit_signed": data["qmap/4bit_signed"],
+      "linear_4bit_unsigned": data["qmap/4bit_unsigned"],
     }
 
 
@@ -47,12 +47,12 @@ def test_shipped_maps_are_the_reference_tables():
 
 
 @pytest.mark.parametrize(
-    "name,signed,max_exponent_bits,total_bits",
-    [
-        ("dynamic_8bit_signed", True, 7, 8),
-        ("dynamic_8bit_unsigned", False, 7, 8),
-        ("dynamic_4bit_signed", True, 3, 4),
-    ],
+  "name,signed,max_exponent_bits,total_bits",
+  [
+    ("dynamic_8bit_signed", True, 7, 8),
+    ("dynamic_8bit_unsigned", False, 7, 8),
+    ("dynamic_4bit_signed", True, 3, 4),
+  ],
 )
 def test_dynamic_map_formula_matches_the_reference_tables(name, signed, max_exponent_bits, total_bits):
   computed = map_codes.dynamic_map(signed=signed, max_exponent_bits=max_exponent_bits, total_bits=total_bits)
@@ -102,11 +102,15 @@ def test_nearest_map_code_is_the_references_rounding_at_every_code_change(code, 
   midpoints = ((table[:-1].astype(np.float64) + table[1:]) / 2).astype(np.float32)
   rng = np.random.default_rng(seed)
   special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, -1e-45], np.float32)
-  x = np.concatenate([
-      float32_neighbourhood(midpoints, 8), float32_neighbourhood(table, 2), special,
+  x = np.concatenate(
+    [
+      float32_neighbourhood(midpoints, 8),
+      float32_neighbourhood(table, 2),
+      special,
       rng.uniform(-1.5, 1.5, 4096).astype(np.float32),
       (rng.standard_normal(4096) * 10.0 ** rng.uniform(-9, 0, 4096)).astype(np.float32),
-  ])
+    ]
+  )
   expected = numpy_nearest_code(x, table)
   np.testing.assert_array_equal(jax.jit(map_codes.nearest_map_code, static_argnums=1)(x, code), expected)
   np.testing.assert_array_equal(jax.jit(map_codes.nearest_map_code_reference)(x, table), expected)
@@ -126,11 +130,15 @@ def test_float8_encode_is_the_float8_conversion_at_every_rounding_change(seed):
   # random values, with both signs, within the +-448 a block's ratios span.
   midpoints = ((magnitudes[:-1].astype(np.float64) + magnitudes[1:]) / 2).astype(np.float32)
   rng = np.random.default_rng(seed)
-  x = np.concatenate([
-      float32_neighbourhood(midpoints, 8), float32_neighbourhood(magnitudes, 2),
-      np.float32([0.0, 1e-45, 3e-39, 448.0]), rng.uniform(0, 448, 4096).astype(np.float32),
+  x = np.concatenate(
+    [
+      float32_neighbourhood(midpoints, 8),
+      float32_neighbourhood(magnitudes, 2),
+      np.float32([0.0, 1e-45, 3e-39, 448.0]),
+      rng.uniform(0, 448, 4096).astype(np.float32),
       (448 * 10.0 ** rng.uniform(-12, 0, 4096)).astype(np.float32),
-  ])
+    ]
+  )
   x = np.concatenate([x, -x])
   x = x[np.abs(x) <= 448]  # Also drops the NaN bit patterns next to zero.
   encode = jax.jit(lambda v: map_codes.map_encode(v, np.float32(1.0), code=map_codes.FLOAT8_CODE))
@@ -144,11 +152,11 @@ def map_round_trip(x, *, code, block_size):
 
 
 @hypothesis.given(
-    # A few sizes, so that the jitted round trip compiles a few times only.
-    x=hnp.arrays(np.float32, st.sampled_from([5, 300, 700]), elements=finite_float32),
-    code=st.sampled_from(MAP_CODES),
-    block_size=st.sampled_from([7, 64, 256]),
-    zero_blocks=st.booleans(),
+  # A few sizes, so that the jitted round trip compiles a few times only.
+  x=hnp.arrays(np.float32, st.sampled_from([5, 300, 700]), elements=finite_float32),
+  code=st.sampled_from(MAP_CODES),
+  block_size=st.sampled_from([7, 64, 256]),
+  zero_blocks=st.booleans(),
 )
 def test_map_round_trip_is_the_nearest_entry_times_the_scale(x, code, block_size, zero_blocks):
   if zero_blocks:
@@ -222,20 +230,22 @@ def test_float8_codes_decode_as_their_float8_value_for_every_bit_pattern(seed):
 
 
 @pytest.mark.parametrize(
-    "call,argument",
-    [
-        (lambda: map_codes.map_quantize(X, code="dynamic_3bit", block_size=4), "code"),
-        (lambda: map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=0), "block_size"),
-        (lambda: map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=jnp.int32(4)), "block_size"),
-        (
-            lambda: map_codes.map_dequantize(
-                map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=4),
-                size=11, code="dynamic_8bit_signed", block_size=4,
-            ),
-            "q",
-        ),
-        (lambda: map_codes.dynamic_map(signed=True, max_exponent_bits=5, total_bits=8), "dynamic_map"),
-    ],
+  "call,argument",
+  [
+    (lambda: map_codes.map_quantize(X, code="dynamic_3bit", block_size=4), "code"),
+    (lambda: map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=0), "block_size"),
+    (lambda: map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=jnp.int32(4)), "block_size"),
+    (
+      lambda: map_codes.map_dequantize(
+        map_codes.map_quantize(X, code="dynamic_8bit_signed", block_size=4),
+        size=11,
+        code="dynamic_8bit_signed",
+        block_size=4,
+      ),
+      "q",
+    ),
+    (lambda: map_codes.dynamic_map(signed=True, max_exponent_bits=5, total_bits=8), "dynamic_map"),
+  ],
 )
 def test_invalid_map_arguments_raise_naming_them(call, argument):
   with pytest.raises(ValueError, match=rf"^{argument} "):

@@ -135,26 +135,38 @@ def random_tree(rng, dtype):
 
 
 @pytest.mark.parametrize(
-    "block_size, bucket_size, density, dtype",
-    [
-        (256, 64, 0.1, jnp.float32),  # 3 full blocks + a tail; small buckets
-        (512, 256, 0.05, jnp.float32),  # every tensor one tail block
-        (256, 64, 0.1, jnp.bfloat16),
-    ],
+  "block_size, bucket_size, density, dtype",
+  [
+    (256, 64, 0.1, jnp.float32),  # 3 full blocks + a tail; small buckets
+    (512, 256, 0.05, jnp.float32),  # every tensor one tail block
+    (256, 64, 0.1, jnp.bfloat16),
+  ],
 )
 def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, density, dtype, seed):
   window, steps, b1, b2, eps = 3, 7, 0.9, 0.999, 1e-8
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
-      b1, b2, eps, window=window, density=density, block_size=block_size,
-      bucket_size=bucket_size, implementation="xla",
+    b1,
+    b2,
+    eps,
+    window=window,
+    density=density,
+    block_size=block_size,
+    bucket_size=bucket_size,
+    implementation="xla",
   )
   references = {
-      name: NumpyMicroAdam(
-          math.prod(shape), window=window, density=density, block_size=block_size,
-          bucket_size=bucket_size, b1=b1, b2=b2, eps=eps,
-      )
-      for name, shape in SHAPES.items()
+    name: NumpyMicroAdam(
+      math.prod(shape),
+      window=window,
+      density=density,
+      block_size=block_size,
+      bucket_size=bucket_size,
+      b1=b1,
+      b2=b2,
+      eps=eps,
+    )
+    for name, shape in SHAPES.items()
   }
   state = opt.init(random_tree(rng, dtype))
   update = jax.jit(opt.update)
@@ -167,20 +179,16 @@ def test_matches_numpy_spec_over_a_wrapping_window(block_size, bucket_size, dens
       want = reference.step(np.asarray(grads[name].astype(jnp.float32)))
       assert updates[name].dtype == dtype
       tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
-      np.testing.assert_allclose(
-          np.asarray(updates[name].astype(jnp.float32)), want, **tolerance, err_msg=message
-      )
+      np.testing.assert_allclose(np.asarray(updates[name].astype(jnp.float32)), want, **tolerance, err_msg=message)
       # Ring: row r holds the selection of step t - e_r, e_r = (t - 1 - r) mod window.
       for row in range(min(t, window)):
         age = (t - 1 - row) % window
         local, values = reference.selections[t - age]
         np.testing.assert_array_equal(np.asarray(state.indices[name][row]), local, err_msg=message)
         np.testing.assert_array_equal(
-            np.asarray(state.values[name][row]).view(np.uint16), values.view(np.uint16), err_msg=message
+          np.asarray(state.values[name][row]).view(np.uint16), values.view(np.uint16), err_msg=message
         )
-      error = quantize.dequantize(
-          leaf_error(state, name), size=reference.error.size, bits=4, bucket_size=bucket_size
-      )
+      error = quantize.dequantize(leaf_error(state, name), size=reference.error.size, bits=4, bucket_size=bucket_size)
       np.testing.assert_allclose(np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=message)
 
 
@@ -191,11 +199,17 @@ def test_ties_at_the_threshold_zero_the_selected_entries_only(kind, seed):
   block_size, bucket_size, density = 256, 64, 0.1
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
-      window=2, density=density, block_size=block_size, bucket_size=bucket_size, implementation="xla"
+    window=2, density=density, block_size=block_size, bucket_size=bucket_size, implementation="xla"
   )
   reference = NumpyMicroAdam(
-      1000, window=2, density=density, block_size=block_size, bucket_size=bucket_size,
-      b1=0.9, b2=0.999, eps=1e-8,
+    1000,
+    window=2,
+    density=density,
+    block_size=block_size,
+    bucket_size=bucket_size,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
   )
   state = opt.init({"w": jnp.zeros(1000)})
   for _ in range(2):
@@ -205,9 +219,7 @@ def test_ties_at_the_threshold_zero_the_selected_entries_only(kind, seed):
     _, state = jax.jit(opt.update)({"w": jnp.asarray(grad)}, state)
     reference.step(grad)
     error = quantize.dequantize(leaf_error(state, "w"), size=1000, bits=4, bucket_size=bucket_size)
-    np.testing.assert_allclose(
-        np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}"
-    )
+    np.testing.assert_allclose(np.asarray(error), reference.error, rtol=1e-6, atol=1e-7, err_msg=f"seed={seed}")
 
 
 @pytest.mark.parametrize("window", [5, 8])
@@ -216,25 +228,34 @@ def test_full_density_and_full_window_is_adamw(window, seed):
   rng = np.random.default_rng(seed)
   params = {**random_tree(rng, jnp.float32), "scalar": jnp.asarray(0.5, jnp.float32)}
   ours = optax_memopt.microadam(
-      learning_rate, b1, b2, eps, weight_decay, window=window, density=1.0,
-      block_size=256, bucket_size=64, implementation="xla",
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    weight_decay,
+    window=window,
+    density=1.0,
+    block_size=256,
+    bucket_size=64,
+    implementation="xla",
   )
   adamw = optax.adamw(learning_rate, b1, b2, eps, eps_root=0.0, weight_decay=weight_decay)
   ours_state, adamw_state = ours.init(params), adamw.init(params)
   for t in range(steps):
     # bf16-exact gradients: the ring stores bf16 values, so only these are
     # kept exactly and the comparison measures float32 rounding alone.
-    grads = jax.tree.map(
-        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.bfloat16).astype(jnp.float32), params
-    )
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.bfloat16).astype(jnp.float32), params)
     ours_updates, ours_state = jax.jit(ours.update)(grads, ours_state, params)
     adamw_updates, adamw_state = adamw.update(grads, adamw_state, params)
     # optax rounds 1 - b2 in float64 but b2**t in float32, which costs its
     # bias correction up to ~1e-5 relative at b2 = 0.999; ours forms both in
     # float32 (the ratio is then exact at t = 1). 3e-5 covers that, nothing more.
     chex.assert_trees_all_close(
-        ours_updates, adamw_updates, rtol=3e-5, atol=1e-6 * learning_rate,
-        custom_message=f"seed={seed} step={t + 1}",
+      ours_updates,
+      adamw_updates,
+      rtol=3e-5,
+      atol=1e-6 * learning_rate,
+      custom_message=f"seed={seed} step={t + 1}",
     )
     inner = ours_state[0]
     for error in jax.tree.leaves(inner.error):
@@ -246,8 +267,11 @@ def test_error_feedback_respects_the_quantizer_bound(seed):
   block_size, bucket_size, density, window = 256, 64, 0.05, 4
   rng = np.random.default_rng(seed)
   opt = optax_memopt.scale_by_microadam(
-      window=window, density=density, block_size=block_size, bucket_size=bucket_size,
-      implementation="xla",
+    window=window,
+    density=density,
+    block_size=block_size,
+    bucket_size=bucket_size,
+    implementation="xla",
   )
   params = {"w": jnp.zeros((24, 40))}
   state = opt.init(params)
@@ -274,8 +298,14 @@ def test_error_feedback_respects_the_quantizer_bound(seed):
 def test_truncated_window_steady_state_exceeds_adams_unit_step():
   window, b1, b2 = 10, 0.9, 0.999
   opt = optax_memopt.scale_by_microadam(
-      b1, b2, 0.0, window=window, density=1.0, block_size=256, bucket_size=256,
-      implementation="xla",
+    b1,
+    b2,
+    0.0,
+    window=window,
+    density=1.0,
+    block_size=256,
+    bucket_size=256,
+    implementation="xla",
   )
   gradient = {"w": jnp.array([0.5, -0.25, 2.0], jnp.float32)}
   state = opt.init(gradient)
@@ -286,9 +316,7 @@ def test_truncated_window_steady_state_exceeds_adams_unit_step():
     # min(t, window) ages.
     rows = min(t, window)
     want = (1 - b1**rows) / (1 - b1**t) * math.sqrt((1 - b2**t) / (1 - b2**rows))
-    np.testing.assert_allclose(
-        np.asarray(updates["w"]), want * np.sign([0.5, -0.25, 2.0]), rtol=2e-5, err_msg=f"t={t}"
-    )
+    np.testing.assert_allclose(np.asarray(updates["w"]), want * np.sign([0.5, -0.25, 2.0]), rtol=2e-5, err_msg=f"t={t}")
   assert want > 1.5  # Not Adam's |u| <= 1; towards (1 - b1**10) / sqrt(1 - b2**10) = 6.5.
 
 
@@ -300,19 +328,19 @@ def expected_leaf_bytes(size, *, window, density, block_size, bucket_size):
 
 
 @pytest.mark.parametrize(
-    "settings",
-    [
-        {},  # the defaults: window 10, density 0.01, blocks of 16384, buckets of 1024
-        dict(window=3, density=0.1, block_size=256, bucket_size=64),
-    ],
+  "settings",
+  [
+    {},  # the defaults: window 10, density 0.01, blocks of 16384, buckets of 1024
+    dict(window=3, density=0.1, block_size=256, bucket_size=64),
+  ],
 )
 def test_state_bytes_and_dtypes_follow_the_spec(settings):
   full = dict(window=10, density=0.01, block_size=16384, bucket_size=1024) | settings
   params = {
-      "large": jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16),
-      "odd": jax.ShapeDtypeStruct((333, 77), jnp.float32),
-      "vector": jax.ShapeDtypeStruct((100,), jnp.float16),
-      "scalar": jax.ShapeDtypeStruct((), jnp.float32),
+    "large": jax.ShapeDtypeStruct((2048, 1000), jnp.bfloat16),
+    "odd": jax.ShapeDtypeStruct((333, 77), jnp.float32),
+    "vector": jax.ShapeDtypeStruct((100,), jnp.float16),
+    "scalar": jax.ShapeDtypeStruct((), jnp.float32),
   }
   state = jax.eval_shape(optax_memopt.scale_by_microadam(**settings).init, params)
   assert isinstance(state, ScaleByMicroAdamState)
@@ -320,9 +348,7 @@ def test_state_bytes_and_dtypes_follow_the_spec(settings):
   total = 4  # the count
   for name, leaf in params.items():
     want = expected_leaf_bytes(leaf.size, **full)
-    got = optax_memopt.state_nbytes(
-        (state.indices[name], state.values[name], leaf_error(state, name))
-    )
+    got = optax_memopt.state_nbytes((state.indices[name], state.values[name], leaf_error(state, name)))
     assert got == want, name
     total += want
     assert state.indices[name].dtype == jnp.int16
@@ -336,8 +362,8 @@ def test_state_bytes_and_dtypes_follow_the_spec(settings):
 def test_a_tail_block_keeps_ceil_of_its_length_times_density():
   opt = optax_memopt.scale_by_microadam(window=2, density=0.05, block_size=512, bucket_size=64)
   params = {
-      "tail": jax.ShapeDtypeStruct((456,), jnp.float32),
-      "block_and_tail": jax.ShapeDtypeStruct((2, 484), jnp.float32),  # 968 = 512 + 456
+    "tail": jax.ShapeDtypeStruct((456,), jnp.float32),
+    "block_and_tail": jax.ShapeDtypeStruct((2, 484), jnp.float32),  # 968 = 512 + 456
   }
   state = jax.eval_shape(opt.init, params)
   # ceil(456 * 0.05) = ceil(22.8) = 23 (the reference's k_block_size_few),
@@ -359,9 +385,7 @@ def test_traced_shape_fixing_hyperparameters_say_to_list_them_in_static_args(nam
 
 def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam(seed):
   settings = dict(window=2, density=0.1, block_size=256, bucket_size=64)
-  injected = optax.inject_hyperparams(optax_memopt.microadam, static_args=SHAPE_FIXING)(
-      learning_rate=1e-2, **settings
-  )
+  injected = optax.inject_hyperparams(optax_memopt.microadam, static_args=SHAPE_FIXING)(learning_rate=1e-2, **settings)
   plain = optax_memopt.microadam(1e-2, **settings)
   rng = np.random.default_rng(seed)
   params = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32)}
@@ -372,21 +396,21 @@ def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam(see
 
 
 @pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(density=0.0), "density"),
-        (dict(density=1.5), "density"),
-        (dict(window=0), "window"),
-        (dict(window=2.0), "window"),
-        (dict(block_size=0), "block_size"),
-        (dict(block_size=2**15 + 1), "block_size"),
-        (dict(bucket_size=100), "bucket_size"),
-        (dict(b1=1.0), "b1"),
-        (dict(b2=-0.1), "b2"),
-        (dict(eps=-1e-8), "eps"),
-        (dict(implementation="cuda"), "implementation"),
-        (dict(block_size=300, implementation="pallas"), "block_size"),
-    ],
+  "kwargs, name",
+  [
+    (dict(density=0.0), "density"),
+    (dict(density=1.5), "density"),
+    (dict(window=0), "window"),
+    (dict(window=2.0), "window"),
+    (dict(block_size=0), "block_size"),
+    (dict(block_size=2**15 + 1), "block_size"),
+    (dict(bucket_size=100), "bucket_size"),
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=-1e-8), "eps"),
+    (dict(implementation="cuda"), "implementation"),
+    (dict(block_size=300, implementation="pallas"), "block_size"),
+  ],
 )
 def test_rejects_bad_hyperparameters_eagerly(kwargs, name):
   with pytest.raises(ValueError, match=name):
@@ -438,8 +462,8 @@ def test_pallas_update_lowers_every_kernel_for_cuda():
 
   opt = optax_memopt.microadam(1e-3, block_size=1024, bucket_size=256, implementation="pallas")
   params = {
-      "w": jax.ShapeDtypeStruct((4, 1024), jnp.bfloat16),  # four full blocks
-      "b": jax.ShapeDtypeStruct((70,), jnp.float32),  # one tail block
+    "w": jax.ShapeDtypeStruct((4, 1024), jnp.bfloat16),  # four full blocks
+    "b": jax.ShapeDtypeStruct((70,), jnp.float32),  # one tail block
   }
   state = jax.eval_shape(opt.init, params)
   text = _backend.lower_for_cuda(opt.update, params, state, params)
@@ -489,17 +513,13 @@ def test_nnx_optimizer_under_nnx_jit_steps_like_plain_optax(seed):
     y = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
     nnx_step(model, optimizer, x, y)
     params, state = optax_step(params, state, x, y)
-  chex.assert_trees_all_close(
-      nnx.state(model, nnx.Param), params, rtol=1e-6, custom_message=f"seed={seed}"
-  )
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), params, rtol=1e-6, custom_message=f"seed={seed}")
   assert isinstance(optimizer.opt_state[0].error, quantize.QuantizedArray)
 
 
 def test_every_leaf_masked_out_passes_the_updates_through():
   params = {"w": jnp.ones((5,)), "b": jnp.ones((3,))}
-  opt = optax.masked(
-      optax_memopt.scale_by_microadam(block_size=256, bucket_size=64), {"w": False, "b": False}
-  )
+  opt = optax.masked(optax_memopt.scale_by_microadam(block_size=256, bucket_size=64), {"w": False, "b": False})
   updates, state = jax.jit(opt.update)(params, opt.init(params))
   chex.assert_trees_all_equal(updates, params)
   assert int(state.inner_state.count) == 1

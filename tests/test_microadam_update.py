@@ -26,13 +26,12 @@ def random_ring(rng, *, window, size, density, block_size):
   full_blocks, tail = divmod(size, block_size)
   lengths = [block_size] * full_blocks + ([tail] if tail else [])
   keeps = [documented_keep(length, density) for length in lengths]
-  indices = np.stack([
-      np.concatenate([
-          np.sort(rng.choice(length, keep, replace=False))
-          for length, keep in zip(lengths, keeps)
-      ])
+  indices = np.stack(
+    [
+      np.concatenate([np.sort(rng.choice(length, keep, replace=False)) for length, keep in zip(lengths, keeps)])
       for _ in range(window)
-  ]).astype(np.int16)
+    ]
+  ).astype(np.int16)
   values = rng.normal(size=indices.shape).astype(ml_dtypes.bfloat16)
   return indices, values, lengths, keeps
 
@@ -60,14 +59,14 @@ def numpy_update(indices, values, lengths, keeps, *, count, b1, b2, eps, block_s
 
 
 CASES = [
-    # (size, block_size, density, window, count): full blocks (k = 9) and a
-    # shorter tail (keeps 6), before and after the ring wraps; a tensor
-    # smaller than one block whose entries (14) are fewer than a full
-    # block's k (21); an exact multiple of the block at density 1.
-    (3 * 512 + 300, 512, 0.0175, 4, 3),
-    (3 * 512 + 300, 512, 0.0175, 4, 9),
-    (700, 1024, 0.02, 3, 7),
-    (2 * 256, 256, 1.0, 2, 1),
+  # (size, block_size, density, window, count): full blocks (k = 9) and a
+  # shorter tail (keeps 6), before and after the ring wraps; a tensor
+  # smaller than one block whose entries (14) are fewer than a full
+  # block's k (21); an exact multiple of the block at density 1.
+  (3 * 512 + 300, 512, 0.0175, 4, 3),
+  (3 * 512 + 300, 512, 0.0175, 4, 9),
+  (700, 1024, 0.02, 3, 7),
+  (2 * 256, 256, 1.0, 2, 1),
 ]
 B1, B2, EPS = 0.9, 0.99, 1e-3
 
@@ -81,12 +80,26 @@ def case_inputs(seed, size, block_size, density, window):
 def test_reference_matches_the_spec_formulas(size, block_size, density, window, count, seed):
   indices, values, lengths, keeps = case_inputs(seed, size, block_size, density, window)
   got = microadam_update.microadam_update_reference(
-      jnp.asarray(indices), jnp.asarray(values), count, B1, B2, EPS,
-      size=size, density=density, block_size=block_size,
+    jnp.asarray(indices),
+    jnp.asarray(values),
+    count,
+    B1,
+    B2,
+    EPS,
+    size=size,
+    density=density,
+    block_size=block_size,
   )
   want = numpy_update(
-      indices, values.astype(np.float64), lengths, keeps,
-      count=count, b1=B1, b2=B2, eps=EPS, block_size=block_size,
+    indices,
+    values.astype(np.float64),
+    lengths,
+    keeps,
+    count=count,
+    b1=B1,
+    b2=B2,
+    eps=EPS,
+    block_size=block_size,
   )
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6, err_msg=f"seed={seed}")
 
@@ -126,7 +139,7 @@ def test_untouched_entries_get_zero_even_with_zero_eps():
   indices = jnp.array([[3], [3]], jnp.int16)  # density 0.001 keeps 1 of a tail of 300
   values = jnp.array([[2.0], [0.0]], jnp.bfloat16)
   update = microadam_update.microadam_update(
-      indices, values, 1, 0.9, 0.999, 0.0, size=300, density=0.001, block_size=512
+    indices, values, 1, 0.9, 0.999, 0.0, size=300, density=0.001, block_size=512
   )
   want = np.zeros(300, np.float32)
   want[3] = 1.0  # Step 1 of Adam: sign(g).
@@ -146,8 +159,6 @@ def test_rejects_bad_shapes():
   with pytest.raises(ValueError, match="indices must have shape"):
     microadam_update.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.06, block_size=50)
   with pytest.raises(ValueError, match="values must have the shape"):
-    microadam_update.microadam_update(
-        ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50
-    )
+    microadam_update.microadam_update(ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50)
   with pytest.raises(ValueError, match="^density must"):
     microadam_update.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.0, block_size=50)

@@ -50,13 +50,13 @@ def run_workers(workdir: pathlib.Path) -> list[tuple[int, str, str]]:
     stdout = open(workdir / f"stdout_{process_id}", "w")
     stderr = open(workdir / f"stderr_{process_id}", "w")
     workers.append(
-        subprocess.Popen(
-            [*command, "--process-id", str(process_id), *NAMES],
-            cwd=host_devices.REPOSITORY,
-            env=host_devices.environment(DEVICES_PER_PROCESS),
-            stdout=stdout,
-            stderr=stderr,
-        )
+      subprocess.Popen(
+        [*command, "--process-id", str(process_id), *NAMES],
+        cwd=host_devices.REPOSITORY,
+        env=host_devices.environment(DEVICES_PER_PROCESS),
+        stdout=stdout,
+        stderr=stderr,
+      )
     )
     stdout.close()
     stderr.close()
@@ -73,12 +73,12 @@ def run_workers(workdir: pathlib.Path) -> list[tuple[int, str, str]]:
   for worker in workers:
     worker.wait()
   return [
-      (
-          worker.returncode,
-          (workdir / f"stdout_{i}").read_text(),
-          (workdir / f"stderr_{i}").read_text(),
-      )
-      for i, worker in enumerate(workers)
+    (
+      worker.returncode,
+      (workdir / f"stdout_{i}").read_text(),
+      (workdir / f"stderr_{i}").read_text(),
+    )
+    for i, worker in enumerate(workers)
   ]
 
 
@@ -87,10 +87,10 @@ def reports(tmp_path_factory) -> list[dict]:
   outcomes = run_workers(tmp_path_factory.mktemp("multiprocess"))
   if any(code for code, _, _ in outcomes):
     pytest.fail(
-        "\n\n".join(
-            f"process {i} exited with {code} (killed after {TIMEOUT_SECONDS} s if -9):\n{stderr[-4000:]}"
-            for i, (code, _, stderr) in enumerate(outcomes)
-        )
+      "\n\n".join(
+        f"process {i} exited with {code} (killed after {TIMEOUT_SECONDS} s if -9):\n{stderr[-4000:]}"
+        for i, (code, _, stderr) in enumerate(outcomes)
+      )
     )
   return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outcomes]
 

@@ -16,9 +16,9 @@ from pallas_kernels import _backend, dispatch, xla_cpu
 
 # The ops the default step of each registered optimizer with kernels calls.
 OPS = {
-    "microadam": ("block_topk", "quantize", "dequantize"),
-    "taco": ("column_select",),
-    "taco_one_segment": ("column_select",),
+  "microadam": ("block_topk", "quantize", "dequantize"),
+  "taco": ("column_select",),
+  "taco_one_segment": ("column_select",),
 }
 # TACO with one segment per row selects by a plain top-k: nothing to aid.
 WITHOUT_CPU_AIDS = {"taco_one_segment"}

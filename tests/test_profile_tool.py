@@ -30,15 +30,17 @@ def test_parts_are_the_product_of_the_outer_dimension_partitions(seed):
   rng = np.random.default_rng(seed)
   rows, columns = (int(n) for n in rng.integers(1, 5, size=2))
   hlo_text = (
-      "  %sine_fusion = f32[64,32]{1,0} fusion(%p), kind=kLoop, calls=%fused,"
-      f' backend_config={{"outer_dimension_partitions":["{rows}","{columns}"]}}\n'
-      "  %single_fusion = f32[64]{0} fusion(%p), kind=kLoop, calls=%fused.1,"
-      ' backend_config={"outer_dimension_partitions":[]}\n'
-      "  ROOT %copy.3 = f32[64]{0} copy(%single_fusion)\n"
+    "  %sine_fusion = f32[64,32]{1,0} fusion(%p), kind=kLoop, calls=%fused,"
+    f' backend_config={{"outer_dimension_partitions":["{rows}","{columns}"]}}\n'
+    "  %single_fusion = f32[64]{0} fusion(%p), kind=kLoop, calls=%fused.1,"
+    ' backend_config={"outer_dimension_partitions":[]}\n'
+    "  ROOT %copy.3 = f32[64]{0} copy(%single_fusion)\n"
   )
   described = profile.describe_instructions(hlo_text)
   assert {name: parts for name, (_, _, parts) in described.items()} == {
-      "sine_fusion": rows * columns, "single_fusion": 1, "copy.3": 1
+    "sine_fusion": rows * columns,
+    "single_fusion": 1,
+    "copy.3": 1,
   }
 
 
@@ -47,8 +49,8 @@ def test_operation_times_sum_instruction_events_only():
   names = sorted(described)
   events = [{"ph": "X", "name": name, "dur": 3.0, "pid": 1, "tid": i % 2} for i, name in enumerate(names)]
   events += [
-      {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 1000.0, "pid": 1, "tid": 0},
-      {"ph": "M", "name": names[0], "pid": 1, "tid": 5},
+    {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 1000.0, "pid": 1, "tid": 0},
+    {"ph": "M", "name": names[0], "pid": 1, "tid": 5},
   ]
   stages, operations, threads = profile.operation_times(events, described)
   assert sum(stages.values()) == 3.0 * len(names)
@@ -63,8 +65,8 @@ def test_concurrency_matches_a_count_per_microsecond(seed):
   starts = rng.integers(0, 200, size=12)
   durations = rng.integers(0, 40, size=12)
   events = [
-      {"ph": "X", "name": names[i % len(names)], "ts": float(t), "dur": float(d), "pid": 1, "tid": i % 3}
-      for i, (t, d) in enumerate(zip(starts, durations))
+    {"ph": "X", "name": names[i % len(names)], "ts": float(t), "dur": float(d), "pid": 1, "tid": i % 3}
+    for i, (t, d) in enumerate(zip(starts, durations))
   ]
   # Runtime events overlapping everything do not count.
   events.append({"ph": "X", "name": "ThunkExecutor::Execute", "ts": -10.0, "dur": 500.0, "pid": 1, "tid": 0})

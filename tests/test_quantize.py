@@ -86,12 +86,12 @@ def draw_input(shape, dtype, bucket_size: int, seed: int) -> jax.Array:
 # rows and buckets at both widths, odd lengths, buckets within a row (32, 64,
 # 128) and spanning rows, a size that is whole buckets, each input dtype.
 KERNEL_CASES = [
-    ((1000,), jnp.float32, 4, 256, jnp.float32, jnp.float32),
-    ((3, 700), jnp.bfloat16, 8, 64, jnp.bfloat16, jnp.bfloat16),
-    ((517,), jnp.float32, 4, 32, jnp.bfloat16, jnp.float32),
-    ((2, 1300), jnp.float16, 8, 512, jnp.float32, jnp.float16),
-    ((2, 3, 91), jnp.float32, 4, 128, jnp.bfloat16, jnp.float32),
-    ((2, 2048), jnp.bfloat16, 4, 1024, jnp.bfloat16, jnp.float32),
+  ((1000,), jnp.float32, 4, 256, jnp.float32, jnp.float32),
+  ((3, 700), jnp.bfloat16, 8, 64, jnp.bfloat16, jnp.bfloat16),
+  ((517,), jnp.float32, 4, 32, jnp.bfloat16, jnp.float32),
+  ((2, 1300), jnp.float16, 8, 512, jnp.float32, jnp.float16),
+  ((2, 3, 91), jnp.float32, 4, 128, jnp.bfloat16, jnp.float32),
+  ((2, 2048), jnp.bfloat16, 4, 1024, jnp.bfloat16, jnp.float32),
 ]
 
 
@@ -124,9 +124,9 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
   codes, minimum, maximum = numpy_quantize(x, bits, bucket_size, stats_dtype)
   # The module's plain reference states the same formula, unpacked.
   for actual, expected in zip(
-      quantize.quantize_reference(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype),
-      (codes, minimum, maximum),
-      strict=True,
+    quantize.quantize_reference(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype),
+    (codes, minimum, maximum),
+    strict=True,
   ):
     np.testing.assert_array_equal(actual, expected, err_msg=message)
   np.testing.assert_array_equal(reference.minimum.astype(jnp.float32), minimum, err_msg=message)
@@ -136,8 +136,10 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
 
   decoded = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="xla", **kwargs)
   close_within_rounding(
-      decoded, quantize.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
-      out_dtype, message,
+    decoded,
+    quantize.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
+    out_dtype,
+    message,
   )
   decoded_kernel = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="interpret", **kwargs)
   chex.assert_trees_all_equal_shapes_and_dtypes(decoded_kernel, decoded)
@@ -176,10 +178,10 @@ finite_float32 = st.floats(-1e6, 1e6, width=32, allow_subnormal=False)
 
 
 @hypothesis.given(
-    x=hnp.arrays(np.float32, st.integers(0, 1100), elements=finite_float32),
-    bits=st.sampled_from(quantize.SUPPORTED_BITS),
-    bucket_size=st.sampled_from([32, 64, 128, 256, 512]),
-    stats_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+  x=hnp.arrays(np.float32, st.integers(0, 1100), elements=finite_float32),
+  bits=st.sampled_from(quantize.SUPPORTED_BITS),
+  bucket_size=st.sampled_from([32, 64, 128, 256, 512]),
+  stats_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
 def test_round_trip_within_half_a_step(x, bits, bucket_size, stats_dtype):
   q = quantize.quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
@@ -232,10 +234,8 @@ def test_zero_size(shape, implementation):
   x = jnp.zeros(shape, jnp.bfloat16)
   q = quantize.quantize(x, bits=4, bucket_size=64, stats_dtype=jnp.bfloat16, implementation=implementation)
   chex.assert_trees_all_equal_shapes_and_dtypes(
-      q,
-      quantize.QuantizedArray(
-          jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)
-      ),
+    q,
+    quantize.QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)),
   )
   decoded = quantize.dequantize(q, size=0, bits=4, bucket_size=64, implementation=implementation)
   chex.assert_shape(decoded, (0,))
@@ -253,30 +253,30 @@ Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
 
 
 @pytest.mark.parametrize(
-    "call,argument",
-    [
-        (lambda: quantize.quantize(X, bits=3, bucket_size=64), "bits"),
-        (lambda: quantize.quantize(X, bits=True, bucket_size=64), "bits"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=100), "bucket_size"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=16), "bucket_size"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=0), "bucket_size"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=-256), "bucket_size"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=256.0), "bucket_size"),
-        (lambda: quantize.quantize(jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "x"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=64, stats_dtype=jnp.float16), "stats_dtype"),
-        (lambda: quantize.quantize(X, bits=4, bucket_size=64, implementation="cuda"), "implementation"),
-        (lambda: quantize.num_buckets(-1, 64), "size"),
-        (lambda: quantize.num_buckets(10, 300), "bucket_size"),
-        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, dtype=jnp.int8), "dtype"),
-        (lambda: quantize.dequantize(Q, size=-1, bits=4, bucket_size=64), "size"),
-        (lambda: quantize.dequantize(Q, size=10, bits=5, bucket_size=64), "bits"),
-        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=96), "bucket_size"),
-        (lambda: quantize.dequantize(Q, size=11, bits=4, bucket_size=64), "q"),
-        (lambda: quantize.dequantize(Q, size=10, bits=8, bucket_size=64), "q"),
-        (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, implementation="gpu"), "implementation"),
-        (lambda: quantize.dequantize_add(Q, jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "y"),
-        (lambda: quantize.dequantize_add(Q, jnp.ones(12), bits=4, bucket_size=64), "q"),
-    ],
+  "call,argument",
+  [
+    (lambda: quantize.quantize(X, bits=3, bucket_size=64), "bits"),
+    (lambda: quantize.quantize(X, bits=True, bucket_size=64), "bits"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=100), "bucket_size"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=16), "bucket_size"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=0), "bucket_size"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=-256), "bucket_size"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=256.0), "bucket_size"),
+    (lambda: quantize.quantize(jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "x"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=64, stats_dtype=jnp.float16), "stats_dtype"),
+    (lambda: quantize.quantize(X, bits=4, bucket_size=64, implementation="cuda"), "implementation"),
+    (lambda: quantize.num_buckets(-1, 64), "size"),
+    (lambda: quantize.num_buckets(10, 300), "bucket_size"),
+    (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, dtype=jnp.int8), "dtype"),
+    (lambda: quantize.dequantize(Q, size=-1, bits=4, bucket_size=64), "size"),
+    (lambda: quantize.dequantize(Q, size=10, bits=5, bucket_size=64), "bits"),
+    (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=96), "bucket_size"),
+    (lambda: quantize.dequantize(Q, size=11, bits=4, bucket_size=64), "q"),
+    (lambda: quantize.dequantize(Q, size=10, bits=8, bucket_size=64), "q"),
+    (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, implementation="gpu"), "implementation"),
+    (lambda: quantize.dequantize_add(Q, jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "y"),
+    (lambda: quantize.dequantize_add(Q, jnp.ones(12), bits=4, bucket_size=64), "q"),
+  ],
 )
 def test_invalid_arguments_raise_naming_them(call, argument):
   with pytest.raises(ValueError, match=rf"^{argument} "):

@@ -75,12 +75,12 @@ def test_python_example_runs_on_its_own(code, tmp_path):
   path = tmp_path / "example.py"
   path.write_text(code)
   done = subprocess.run(
-      [sys.executable, str(path)],
-      cwd=tmp_path,
-      env=host_devices.environment(8),
-      capture_output=True,
-      text=True,
-      timeout=600,
+    [sys.executable, str(path)],
+    cwd=tmp_path,
+    env=host_devices.environment(8),
+    capture_output=True,
+    text=True,
+    timeout=600,
   )
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -115,10 +115,14 @@ def test_fit_example_prints_what_its_comment_says(tmp_path):
   misses = re.search(r"^# \(not (.+?):", code, flags=re.M).group(1).split(", ")
   done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in done.stdout.splitlines()
-          if line.startswith("| ") and not line.startswith("| optimizer |")]
+  rows = [
+    [cell.strip() for cell in line.strip("|").split("|")]
+    for line in done.stdout.splitlines()
+    if line.startswith("| ") and not line.startswith("| optimizer |")
+  ]
   verdicts = {cells[0]: cells[-1] for cells in rows}
   assert sorted(fits + misses) == sorted(verdicts), verdicts
   assert {name: verdicts[name] for name in fits + misses} == {
-      **{name: "yes" for name in fits}, **{name: "no" for name in misses}
+    **{name: "yes" for name in fits},
+    **{name: "no" for name in misses},
   }, done.stdout

@@ -41,13 +41,13 @@ BYTES_TOLERANCE = 0.05
 @pytest.fixture(scope="module")
 def report() -> dict:
   done = subprocess.run(
-      [sys.executable, "-m", "tests.sharding_check", *NAMES],
-      cwd=host_devices.REPOSITORY,
-      env=host_devices.environment(8),
-      capture_output=True,
-      text=True,
-      timeout=600,
-      check=False,
+    [sys.executable, "-m", "tests.sharding_check", *NAMES],
+    cwd=host_devices.REPOSITORY,
+    env=host_devices.environment(8),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
   )
   if done.returncode:
     pytest.fail(f"tests/sharding_check.py failed:\n{done.stderr[-6000:]}")
@@ -64,11 +64,9 @@ def mismatches(differences: dict) -> list:
   """What ``tests.sharding_check.differences`` found beyond the tolerances above."""
   found = [f"structure: {differences['structure']}"] if differences["structure"] else []
   return found + [
-      row
-      for row in differences["rows"]
-      if row.get("mismatched", 0)
-      or row.get("non_finite_mismatch", False)
-      or row.get("ulps", 0.0) > FLOAT32_ULPS
+    row
+    for row in differences["rows"]
+    if row.get("mismatched", 0) or row.get("non_finite_mismatch", False) or row.get("ulps", 0.0) > FLOAT32_ULPS
   ]
 
 
@@ -94,12 +92,12 @@ def test_state_is_split_over_devices_like_its_parameters(report, name):
   # are replicated and so is their state. No leaf may be split more coarsely
   # than its parameter (a replicated copy of a parameter-sized buffer).
   assert run["under_split_leaves"] == [], (
-      f"leaves split more coarsely than their parameters: {run['under_split_leaves']}"
+    f"leaves split more coarsely than their parameters: {run['under_split_leaves']}"
   )
   assert per_device.max() <= (1 + BYTES_TOLERANCE) * run["split_like_params_bytes"], (
-      f"per-device state bytes {per_device.tolist()} against an even split like the"
-      f" parameters' of {run['split_like_params_bytes']:.0f} (total"
-      f" {run['total_state_bytes']})"
+    f"per-device state bytes {per_device.tolist()} against an even split like the"
+    f" parameters' of {run['split_like_params_bytes']:.0f} (total"
+    f" {run['total_state_bytes']})"
   )
 
 

@@ -54,8 +54,8 @@ def test_declared_scales_of_codes_in_the_parameters_shape_follow_its_rows():
     field_layouts = {"codes": sharding.Layout.PARAM, "scales": sharding.Layout.BLOCK_SCALES}
 
   state = Scaled(
-      {"w": jax.ShapeDtypeStruct((8, 16), jnp.uint8)},
-      {"w": jax.ShapeDtypeStruct((8, 2, 1), jnp.float32)},
+    {"w": jax.ShapeDtypeStruct((8, 16), jnp.uint8)},
+    {"w": jax.ShapeDtypeStruct((8, 2, 1), jnp.float32)},
   )
   laid_out = sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH)
   assert laid_out.codes["w"] == PARAM_SHARDINGS["w"]

@@ -16,7 +16,7 @@ from optax_memopt.training import loop, model
 
 
 def numpy_direction(u, batch_dims=0, input_dims=1):
-  """TACO's direction for ``u`` read as matrices ``(*batch, n_in, n_out)``: per row, the sign of the first largest |u|."""
+  """TACO's direction for ``u`` as ``(*batch, n_in, n_out)`` matrices: per row, the sign of the first largest |u|."""
   shape = u.shape
   n_in = int(np.prod(shape[batch_dims : batch_dims + input_dims]))
   rows = np.asarray(u, np.float64).reshape(-1, int(np.prod(shape[batch_dims + input_dims :])))
@@ -53,9 +53,7 @@ def numpy_heavy_hitters(grads, k, beta, segments=1):
       for column, momentum in tracked[row].items():
         u[column] += beta * momentum
       kept = [
-          c
-          for start in starts
-          for c in first_by_magnitude(u, np.arange(start, min(start + width, n_out)))[:per_segment]
+        c for start in starts for c in first_by_magnitude(u, np.arange(start, min(start + width, n_out)))[:per_segment]
       ]
       tracked[row] = {int(c): u[c] for c in kept}
       top = first_by_magnitude(u, np.arange(n_out))[0]
@@ -85,10 +83,10 @@ def assert_exact_in_float8(values, seed):
 
 
 AXES_BY_NAME = {
-    "dense": MatrixAxes(),  # (in, out)
-    "dense_general": MatrixAxes(),  # (in, heads, head_dim) -> (in, heads * head_dim)
-    "stacked": MatrixAxes(batch_dims=1),  # (layers, in, out)
-    "attention_out": MatrixAxes(input_dims=2),  # (heads, head_dim, out)
+  "dense": MatrixAxes(),  # (in, out)
+  "dense_general": MatrixAxes(),  # (in, heads, head_dim) -> (in, heads * head_dim)
+  "stacked": MatrixAxes(batch_dims=1),  # (layers, in, out)
+  "attention_out": MatrixAxes(input_dims=2),  # (heads, head_dim, out)
 }
 SHAPES = {"dense": (5, 7), "dense_general": (3, 4, 2), "stacked": (2, 3, 5), "attention_out": (2, 3, 4)}
 
@@ -124,10 +122,10 @@ def test_heavy_hitter_state_stays_valid(segments, seed):
   shapes = {"wide": (24, 40), "narrow": (8, 3), "stacked": (2, 16, 50)}
   k = 5
   tx = optax_memopt.scale_by_taco(
-      k=k,
-      beta=0.9,
-      segments=segments,
-      matrix_axes=lambda path, p: MatrixAxes(batch_dims=int(path[0].key == "stacked")),
+    k=k,
+    beta=0.9,
+    segments=segments,
+    matrix_axes=lambda path, p: MatrixAxes(batch_dims=int(path[0].key == "stacked")),
   )
   params = {name: jnp.zeros(shape) for name, shape in shapes.items()}
   state = tx.init(params)
@@ -167,7 +165,7 @@ def test_heavy_hitter_state_stays_valid(segments, seed):
     stepped = momentum[np.arange(len(index)), step_slot]
     np.testing.assert_array_equal(np.abs(stepped), np.abs(momentum).max(axis=1), message)
     np.testing.assert_array_equal(
-        direction[np.arange(len(index)), step_column], np.float32(n_out / n_in) * np.sign(stepped), message
+      direction[np.arange(len(index)), step_column], np.float32(n_out / n_in) * np.sign(stepped), message
     )
 
 
@@ -187,10 +185,10 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
     np.testing.assert_array_equal(updates["w"], numpy_direction(momentum), err_msg=f"seed={seed}")
   stored = np.zeros(shape)
   np.put_along_axis(
-      stored,
-      np.asarray(state.indices["w"], np.int64).reshape(shape[0], -1),
-      dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(shape[0], -1),
-      axis=1,
+    stored,
+    np.asarray(state.indices["w"], np.int64).reshape(shape[0], -1),
+    dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(shape[0], -1),
+    axis=1,
   )
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
@@ -210,20 +208,20 @@ def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float
   rows = shape[0]
   np.testing.assert_array_equal(state.indices["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
   np.testing.assert_array_equal(
-      dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(rows, -1),
-      want_momenta,
-      err_msg=f"seed={seed}",
+    dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(rows, -1),
+    want_momenta,
+    err_msg=f"seed={seed}",
   )
 
 
 @pytest.mark.parametrize(
-    "k, segments",
-    [
-        (3, 1),  # the row's top 3
-        (4, 2),  # two segments of 5 columns, 2 entries each
-        (3, 3),  # segments of 4, 4 and 2 columns, 1 entry each
-        (8, 4),  # segments of 3, 3, 3 and 1 columns: the last one caps them at 1 entry
-    ],
+  "k, segments",
+  [
+    (3, 1),  # the row's top 3
+    (4, 2),  # two segments of 5 columns, 2 entries each
+    (3, 3),  # segments of 4, 4 and 2 columns, 1 entry each
+    (8, 4),  # segments of 3, 3, 3 and 1 columns: the last one caps them at 1 entry
+  ],
 )
 def test_partial_tracking_follows_the_merge_rule(k, segments, seed):
   assert_steps_follow_the_merge_rule(seed, (6, 10), k, segments)
@@ -253,11 +251,11 @@ def test_both_selection_paths_step_like_the_numpy_reference(k, segments, impleme
 
 
 @pytest.mark.parametrize(
-    "kwargs, static_args, traced",
-    [
-        (dict(k=4), (), "k"),
-        (dict(k=4, segments=2), ("k",), "segments"),
-    ],
+  "kwargs, static_args, traced",
+  [
+    (dict(k=4), (), "k"),
+    (dict(k=4, segments=2), ("k",), "segments"),
+  ],
 )
 def test_traced_shape_fixing_hyperparameter_is_named_with_static_args(kwargs, static_args, traced):
   params = {"w": jnp.zeros((6, 8))}
@@ -295,30 +293,30 @@ def test_state_is_a_few_hundredths_of_a_byte_per_parameter():
 
 def make_tree():
   return {
-      "embed": {"embedding": jnp.ones((50, 8))},
-      "wte": jnp.ones((50, 8)),  # GPT-2's token table
-      "dense": {"kernel": jnp.ones((8, 4)), "bias": jnp.ones((4,))},
-      "attention": {"query": {"kernel": jnp.ones((8, 2, 4))}},
-      "norm": {"scale": jnp.ones((8,))},
-      "temperature": jnp.ones(()),
+    "embed": {"embedding": jnp.ones((50, 8))},
+    "wte": jnp.ones((50, 8)),  # GPT-2's token table
+    "dense": {"kernel": jnp.ones((8, 4)), "bias": jnp.ones((4,))},
+    "attention": {"query": {"kernel": jnp.ones((8, 2, 4))}},
+    "norm": {"scale": jnp.ones((8,))},
+    "temperature": jnp.ones(()),
   }
 
 
 def test_labels_route_vectors_scalars_and_embeddings_to_the_fallback():
   labels = optax_memopt.taco_labels(make_tree())
   assert labels == {
-      "embed": {"embedding": "fallback"},
-      "wte": "fallback",
-      "dense": {"kernel": "taco", "bias": "fallback"},
-      "attention": {"query": {"kernel": "taco"}},
-      "norm": {"scale": "fallback"},
-      "temperature": "fallback",
+    "embed": {"embedding": "fallback"},
+    "wte": "fallback",
+    "dense": {"kernel": "taco", "bias": "fallback"},
+    "attention": {"query": {"kernel": "taco"}},
+    "norm": {"scale": "fallback"},
+    "temperature": "fallback",
   }
   with_embeddings = optax_memopt.taco_labels(make_tree(), embedding_names=())
   assert with_embeddings["embed"]["embedding"] == "taco" and with_embeddings["wte"] == "taco"
   # A stacked bias (layers, out) has no output axis left after the batch axis.
   stacked = optax_memopt.taco_labels(
-      {"bias": jnp.ones((2, 4)), "kernel": jnp.ones((2, 8, 4))}, matrix_axes=MatrixAxes(batch_dims=1)
+    {"bias": jnp.ones((2, 4)), "kernel": jnp.ones((2, 8, 4))}, matrix_axes=MatrixAxes(batch_dims=1)
   )
   assert stacked == {"bias": "fallback", "kernel": "taco"}
 
@@ -344,8 +342,8 @@ def test_fallback_trains_like_adamw_and_labels_can_be_overridden(seed):
   labels["dense"]["kernel"] = "fallback"  # a user override
   labels["embed"]["embedding"] = "taco"
   for tx in (
-      optax_memopt.taco(lr, weight_decay=weight_decay, labels=labels),
-      optax_memopt.taco(lr, weight_decay=weight_decay, labels=lambda p: labels),
+    optax_memopt.taco(lr, weight_decay=weight_decay, labels=labels),
+    optax_memopt.taco(lr, weight_decay=weight_decay, labels=lambda p: labels),
   ):
     taco = run_steps(tx, params, seed=seed)
     for step_taco, step_adamw in zip(taco, adamw):
@@ -362,24 +360,24 @@ def test_fallback_trains_like_adamw_and_labels_can_be_overridden(seed):
 
 
 @pytest.mark.parametrize(
-    "build, match",
-    [
-        (lambda: optax_memopt.scale_by_taco(k=-1), "k must be an int >= 0"),
-        (lambda: optax_memopt.taco(1e-2, k=1.5), "k must be an int >= 0"),
-        (lambda: optax_memopt.taco(1e-2, k=True), "k must be an int >= 0"),
-        (lambda: optax_memopt.scale_by_taco(segments=0), "segments must be an int >= 1"),
-        (lambda: optax_memopt.taco(1e-2, k=16, segments=3), "segments must divide k=16; got 3"),
-        (lambda: optax_memopt.scale_by_taco(beta=1.0), r"beta must be in \[0, 1\)"),
-        (lambda: optax_memopt.taco(1e-2, beta=-0.1), r"beta must be in \[0, 1\)"),
-        (lambda: optax_memopt.taco(1e-2, implementation="cuda"), "implementation must be one of"),
-        (lambda: optax_memopt.taco(1e-2, fallback="adam"), "fallback must be an optax.GradientTransformation"),
-        (
-            lambda: optax_memopt.taco(1e-2, labels={"w": "taco", "b": "adam"}),
-            r"labels must be 'taco' or 'fallback'.*'adam' for \['b'\]",
-        ),
-        (lambda: MatrixAxes(batch_dims=-1), r"MatrixAxes.batch_dims must be an int >= 0"),
-        (lambda: MatrixAxes(input_dims=0), r"MatrixAxes.input_dims must be an int >= 1"),
-    ],
+  "build, match",
+  [
+    (lambda: optax_memopt.scale_by_taco(k=-1), "k must be an int >= 0"),
+    (lambda: optax_memopt.taco(1e-2, k=1.5), "k must be an int >= 0"),
+    (lambda: optax_memopt.taco(1e-2, k=True), "k must be an int >= 0"),
+    (lambda: optax_memopt.scale_by_taco(segments=0), "segments must be an int >= 1"),
+    (lambda: optax_memopt.taco(1e-2, k=16, segments=3), "segments must divide k=16; got 3"),
+    (lambda: optax_memopt.scale_by_taco(beta=1.0), r"beta must be in \[0, 1\)"),
+    (lambda: optax_memopt.taco(1e-2, beta=-0.1), r"beta must be in \[0, 1\)"),
+    (lambda: optax_memopt.taco(1e-2, implementation="cuda"), "implementation must be one of"),
+    (lambda: optax_memopt.taco(1e-2, fallback="adam"), "fallback must be an optax.GradientTransformation"),
+    (
+      lambda: optax_memopt.taco(1e-2, labels={"w": "taco", "b": "adam"}),
+      r"labels must be 'taco' or 'fallback'.*'adam' for \['b'\]",
+    ),
+    (lambda: MatrixAxes(batch_dims=-1), r"MatrixAxes.batch_dims must be an int >= 0"),
+    (lambda: MatrixAxes(input_dims=0), r"MatrixAxes.input_dims must be an int >= 1"),
+  ],
 )
 def test_bad_hyperparameters_raise_when_built(build, match):
   with pytest.raises(ValueError, match=match):
@@ -387,14 +385,14 @@ def test_bad_hyperparameters_raise_when_built(build, match):
 
 
 @pytest.mark.parametrize(
-    "tx, match",
-    [
-        (optax_memopt.taco(1e-2, labels=lambda p: {"w": "taco", "b": "sgd"}), r"'sgd' for \['b'\]"),
-        # A vector labelled "taco" by the user has no output axis.
-        (optax_memopt.taco(1e-2, labels={"w": "taco", "b": "taco"}), r"parameter \['b'\] has shape \(4,\)"),
-        (optax_memopt.scale_by_taco(), r"parameter \['b'\] has shape \(4,\)"),
-        (optax_memopt.scale_by_taco(matrix_axes=lambda path, p: (0, 1)), r"matrix_axes must be a MatrixAxes.*\['b'\]"),
-    ],
+  "tx, match",
+  [
+    (optax_memopt.taco(1e-2, labels=lambda p: {"w": "taco", "b": "sgd"}), r"'sgd' for \['b'\]"),
+    # A vector labelled "taco" by the user has no output axis.
+    (optax_memopt.taco(1e-2, labels={"w": "taco", "b": "taco"}), r"parameter \['b'\] has shape \(4,\)"),
+    (optax_memopt.scale_by_taco(), r"parameter \['b'\] has shape \(4,\)"),
+    (optax_memopt.scale_by_taco(matrix_axes=lambda path, p: (0, 1)), r"matrix_axes must be a MatrixAxes.*\['b'\]"),
+  ],
 )
 def test_bad_labels_and_parameters_raise_at_init_naming_the_parameter(tx, match):
   with pytest.raises(ValueError, match=match):

@@ -22,11 +22,6 @@ from tests import oracles
 pytestmark = pytest.mark.kernels
 
 
-
-
-
-
-
 @pytest.mark.parametrize("packing", ["base3", "2bit"])
 # Blocks smaller than a 128-slice, of one slice, over several packed rows.
 @pytest.mark.parametrize("block_size", [32, 128, 640])
@@ -47,13 +42,12 @@ def test_block_bytes_follow_the_documented_layout(packing, block_size, tiles_row
   unpacked = jax.jit(lambda p: ternary.unpack_blocks(p, block_size, layout))(packed)
   np.testing.assert_array_equal(unpacked, codes, err_msg=f"seed={seed}")
   assert [a.shape for a in ternary.shapes(shape, block_size=block_size, packing=packing)] == [
-      expected.shape, (*blocks, 1)
+    expected.shape,
+    (*blocks, 1),
   ]
 
   zeros = ternary.zeros(shape, block_size=block_size, packing=packing)
-  np.testing.assert_array_equal(
-      zeros.packed, oracles.block_major_bytes(np.zeros(size), shape, block_size, packing)
-  )
+  np.testing.assert_array_equal(zeros.packed, oracles.block_major_bytes(np.zeros(size), shape, block_size, packing))
   np.testing.assert_array_equal(zeros.scales, np.zeros((*blocks, 1), np.float32))
 
 

@@ -36,20 +36,18 @@ def _params(seed: int) -> dict[str, jax.Array]:
   """One tensor of every kind: factored, ternary with full nu, 3-D factored, small."""
   keys = jax.random.split(jax.random.key(seed), 4)
   return {
-      "matrix": jax.random.normal(keys[0], (30, 64)),  # One block per row: block-major.
-      "vector": jax.random.normal(keys[1], (700,)),  # 11 blocks, the last partial.
-      # Factored per (20, 16) matrix; rows shorter than a block: 15 flat blocks.
-      "stack": jax.random.normal(keys[2], (3, 20, 16)),
-      "small": jax.random.normal(keys[3], (10, 20)),  # Below min_size: float32 Adam.
+    "matrix": jax.random.normal(keys[0], (30, 64)),  # One block per row: block-major.
+    "vector": jax.random.normal(keys[1], (700,)),  # 11 blocks, the last partial.
+    # Factored per (20, 16) matrix; rows shorter than a block: 15 flat blocks.
+    "stack": jax.random.normal(keys[2], (3, 20, 16)),
+    "small": jax.random.normal(keys[3], (10, 20)),  # Below min_size: float32 Adam.
   }
 
 
 def _grads(seed: int, params) -> dict[str, jax.Array]:
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return treedef.unflatten(
-      [jax.random.normal(k, p.shape) * 0.1 for k, p in zip(keys, leaves)]
-  )
+  return treedef.unflatten([jax.random.normal(k, p.shape) * 0.1 for k, p in zip(keys, leaves)])
 
 
 def decode_block_major(packed, scales, size, block_size, base=3, planes=5) -> np.ndarray:
@@ -74,9 +72,7 @@ def _layout_of(state) -> dict:
 @pytest.mark.parametrize("packing, trits_per_byte", [("base3", 5), ("2bit", 4)])
 def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_per_byte, seed):
   params = _params(seed)
-  opt = optax_memopt.scale_by_ternary_adam(
-      block_size=BLOCK_SIZE, min_size=MIN_SIZE, packing=packing, key=seed
-  )
+  opt = optax_memopt.scale_by_ternary_adam(block_size=BLOCK_SIZE, min_size=MIN_SIZE, packing=packing, key=seed)
   state = opt.init(params)
   # Block-major: the matrix's rows are one block each; the others are flat blocks.
   blocks = {"matrix": (30, 1), "vector": (11,), "stack": (15,)}
@@ -113,9 +109,7 @@ def test_first_step_is_adam_with_adafactor_second_moment(seed):
   params = _params(seed)
   grads = _grads(seed + 1, params)
   b2, eps = 0.99, 1e-8
-  opt = optax_memopt.scale_by_ternary_adam(
-      b1=0.5, b2=b2, eps=eps, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed
-  )
+  opt = optax_memopt.scale_by_ternary_adam(b1=0.5, b2=b2, eps=eps, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed)
   updates, _ = opt.update(grads, opt.init(params))
 
   def factored_nu(g):
@@ -125,16 +119,14 @@ def test_first_step_is_adam_with_adafactor_second_moment(seed):
 
   # With one step the bias corrections cancel (1 - b) exactly.
   expected = {
-      "matrix": factored_nu(grads["matrix"]),
-      "stack": factored_nu(grads["stack"]),
-      "vector": np.asarray(grads["vector"], np.float64) ** 2,
-      "small": np.asarray(grads["small"], np.float64) ** 2,
+    "matrix": factored_nu(grads["matrix"]),
+    "stack": factored_nu(grads["stack"]),
+    "vector": np.asarray(grads["vector"], np.float64) ** 2,
+    "small": np.asarray(grads["small"], np.float64) ** 2,
   }
   for name, nu in expected.items():
     direction = np.asarray(grads[name], np.float64) / (np.sqrt(nu) + eps)
-    np.testing.assert_allclose(
-        updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, seed={seed}"
-    )
+    np.testing.assert_allclose(updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, seed={seed}")
 
 
 def test_small_tensors_follow_optax_adam(seed):
@@ -175,9 +167,7 @@ def test_stored_first_moment_is_an_unbiased_estimate(seed):
   """
   b1, keys = 0.5, 512
   params = {"w": jnp.zeros((30, 64)), "v": jnp.zeros((700,))}
-  opt = optax_memopt.scale_by_ternary_adam(
-      b1=b1, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed
-  )
+  opt = optax_memopt.scale_by_ternary_adam(b1=b1, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed)
   # A first step puts a non-trivial ternary moment in the state.
   state = opt.update(_grads(seed, params), opt.init(params))[1]
   grads = _grads(seed + 1, params)
@@ -189,24 +179,21 @@ def test_stored_first_moment_is_an_unbiased_estimate(seed):
   key_data = jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(seed + 2), keys))
   packed, scales = jax.jit(jax.vmap(new_moment))(key_data)
   decoded = {
-      name: np.stack([
-          decode_block_major(packed[name][i], scales[name][i], params[name].size, BLOCK_SIZE)
-          for i in range(keys)
-      ])
-      for name in params
+    name: np.stack(
+      [decode_block_major(packed[name][i], scales[name][i], params[name].size, BLOCK_SIZE) for i in range(keys)]
+    )
+    for name in params
   }
   for name in params:
-    previous = decode_block_major(
-        state.mu.packed[name], state.mu.scales[name], params[name].size, BLOCK_SIZE
-    )
+    previous = decode_block_major(state.mu.packed[name], state.mu.scales[name], params[name].size, BLOCK_SIZE)
     exact = b1 * previous + (1 - b1) * np.asarray(grads[name], np.float64).reshape(-1)
     samples = np.asarray(decoded[name], np.float64)
     # The new scales: the bound b1 s + (1 - b1) max |g| of each block.
     gradient = np.asarray(grads[name], np.float64).reshape(-1)
     old_scales = np.asarray(state.mu.scales[name], np.float64).reshape(-1)
-    bound = b1 * old_scales + (1 - b1) * np.array([
-        np.abs(gradient[i : i + BLOCK_SIZE]).max() for i in range(0, gradient.size, BLOCK_SIZE)
-    ])
+    bound = b1 * old_scales + (1 - b1) * np.array(
+      [np.abs(gradient[i : i + BLOCK_SIZE]).max() for i in range(0, gradient.size, BLOCK_SIZE)]
+    )
     scale = np.repeat(bound, BLOCK_SIZE)[: exact.size]
     assert np.all(np.abs(exact) <= scale * (1 + 1e-6)), f"{name}, seed={seed}"
     # Every sample is 0 or +-s with the sign of the exact moment.
@@ -220,9 +207,7 @@ def test_runs_replay_exactly_from_the_same_key(seed):
   params = _params(seed)
 
   def run(key):
-    opt = optax_memopt.ternary_adam(
-        1e-2, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=key
-    )
+    opt = optax_memopt.ternary_adam(1e-2, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=key)
     state, p = opt.init(params), params
     step = jax.jit(opt.update)
     for i in range(4):
@@ -234,7 +219,7 @@ def test_runs_replay_exactly_from_the_same_key(seed):
   chex.assert_trees_all_equal(first, again)
   other = run(jax.random.key(seed + 1))
   assert not np.array_equal(first[1][0].mu.packed["matrix"], other[1][0].mu.packed["matrix"]), (
-      f"seed={seed}: another key must round differently"
+    f"seed={seed}: another key must round differently"
   )
 
 
@@ -275,9 +260,7 @@ def _expected_state_bytes(shapes, *, block_size: int, min_size: int) -> int:
 
 
 def test_state_is_under_0_35_bytes_per_parameter_on_a_10m_transformer():
-  config = model.TransformerConfig(
-      dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_len=256
-  )
+  config = model.TransformerConfig(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_len=256)
   abstract = nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
   shapes = [tuple(p.shape) for p in jax.tree.leaves(params)]
@@ -317,35 +300,36 @@ def test_update_traces_under_a_mesh_of_explicit_axes():
   when JAX starts): updates keep the params' shardings and the state its own.
   """
   done = subprocess.run(
-      [sys.executable, "-c", _EXPLICIT_MESH_RUN], env=host_devices.environment(8),
-      capture_output=True, text=True,
-      timeout=300, check=False,
+    [sys.executable, "-c", _EXPLICIT_MESH_RUN],
+    env=host_devices.environment(8),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
   )
   assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 
 @pytest.mark.parametrize(
-    "kwargs, name",
-    [
-        (dict(b1=1.0), "b1"),
-        (dict(b2=-0.1), "b2"),
-        (dict(eps=-1.0), "eps"),
-        (dict(block_size=100), "block_size"),
-        (dict(block_size=128.0), "block_size"),
-        (dict(min_size=-1), "min_size"),
-        (dict(min_size=jnp.array(4096)), "min_size"),
-        (dict(packing="base4"), "packing"),
-        (dict(key="seed"), "key"),
-        (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
-    ],
+  "kwargs, name",
+  [
+    (dict(b1=1.0), "b1"),
+    (dict(b2=-0.1), "b2"),
+    (dict(eps=-1.0), "eps"),
+    (dict(block_size=100), "block_size"),
+    (dict(block_size=128.0), "block_size"),
+    (dict(min_size=-1), "min_size"),
+    (dict(min_size=jnp.array(4096)), "min_size"),
+    (dict(packing="base4"), "packing"),
+    (dict(key="seed"), "key"),
+    (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
+  ],
 )
 def test_bad_hyperparameters_raise_when_built(kwargs, name):
   with pytest.raises(ValueError, match=name):
     optax_memopt.scale_by_ternary_adam(**kwargs)
   with pytest.raises(ValueError, match=name):
     optax_memopt.ternary_adam(1e-3, **kwargs)
-
-
 
 
 class _NumpyTernaryAdam:
@@ -413,8 +397,8 @@ def _dyadic_grads(seed, params):
   """Multiples of 2**-8 below 8 in magnitude: the ternary moment stays exact in float32."""
   rng = np.random.default_rng(seed)
   return {
-      name: np.clip(np.round(rng.standard_normal(p.shape) * 256) / 256, -8, 8).astype(np.float32)
-      for name, p in params.items()
+    name: np.clip(np.round(rng.standard_normal(p.shape) * 256) / 256, -8, 8).astype(np.float32)
+    for name, p in params.items()
   }
 
 
@@ -430,10 +414,10 @@ def test_several_steps_and_a_resume_follow_the_numpy_reimplementation(seed):
   """
   block_size, min_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
   params = {
-      "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
-      "small": np.zeros((5, 6), np.float32),  # Plain Adam.
-      "stack": np.zeros((2, 12, 40), np.float32),  # Flat blocks, factored per matrix.
-      "vector": np.zeros((200,), np.float32),  # A partial last block, elementwise nu.
+    "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
+    "small": np.zeros((5, 6), np.float32),  # Plain Adam.
+    "stack": np.zeros((2, 12, 40), np.float32),  # Flat blocks, factored per matrix.
+    "vector": np.zeros((200,), np.float32),  # A partial last block, elementwise nu.
   }
   options = dict(b1=b1, b2=b2, eps=eps, block_size=block_size, min_size=min_size)
   make = lambda: optax_memopt.scale_by_ternary_adam(**options, key=seed)
@@ -452,20 +436,18 @@ def test_several_steps_and_a_resume_follow_the_numpy_reimplementation(seed):
     updates, state = jax.jit(opt.update)(grads, state)
     message = f"seed={seed}, step {step + 1}"
     for name, direction in expected.items():
-      np.testing.assert_allclose(
-          updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, {message}"
-      )
+      np.testing.assert_allclose(updates[name], direction, rtol=2e-5, atol=1e-6, err_msg=f"{name}, {message}")
       kept = reference.state[name]
       if "trits" not in kept:
         continue
       size = params[name].size
       np.testing.assert_array_equal(
-          np.asarray(state.mu.scales[name]).reshape(-1), kept["scales"], err_msg=f"{name}, {message}"
+        np.asarray(state.mu.scales[name]).reshape(-1), kept["scales"], err_msg=f"{name}, {message}"
       )
       np.testing.assert_array_equal(
-          decode_block_major(state.mu.packed[name], state.mu.scales[name], size, block_size),
-          kept["trits"] * np.repeat(kept["scales"], block_size)[:size],
-          err_msg=f"{name}, {message}",
+        decode_block_major(state.mu.packed[name], state.mu.scales[name], size, block_size),
+        kept["trits"] * np.repeat(kept["scales"], block_size)[:size],
+        err_msg=f"{name}, {message}",
       )
       if "row" in kept:
         np.testing.assert_allclose(state.nu.row[name], kept["row"], rtol=1e-5, err_msg=f"{name}, {message}")
@@ -484,9 +466,7 @@ class _Model(nnx.Module):
 def test_trains_under_nnx_jit_with_nnx_optimizer(seed):
   """``nnx.Optimizer`` and an ``nnx.jit`` step: NNX rebuilds the state's trees on every call."""
   model = _Model(nnx.Rngs(seed))
-  optimizer = nnx.Optimizer(
-      model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param
-  )
+  optimizer = nnx.Optimizer(model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param)
 
   @nnx.jit
   def train_step(model, optimizer, x, y):

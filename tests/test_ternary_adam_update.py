@@ -40,12 +40,6 @@ B1, B2, EPS, COUNT = 0.5, 0.75, 1e-8, 3
 DIRECTION_RTOL = 2e-6
 
 
-
-
-
-
-
-
 def _decode(packed, scales, size, block_size, packing) -> np.ndarray:
   """Trits times their block scales, from the documented block-major bytes (float64)."""
   base, planes = oracles.LAYOUTS[packing]
@@ -72,14 +66,12 @@ def _inputs(seed, shape, *, block_size, packing, grad_dtype=jnp.float32):
   scales[0] = 0.0  # A block whose stored scale is 0.
   trits = rng.integers(-1, 2, size)
   stored = ternary.TernaryArray(
-      jnp.asarray(oracles.block_major_bytes(trits, shape, block_size, packing)),
-      jnp.asarray(scales.reshape(*blocks, 1)),
+    jnp.asarray(oracles.block_major_bytes(trits, shape, block_size, packing)),
+    jnp.asarray(scales.reshape(*blocks, 1)),
   )
   nu = (np.round(rng.uniform(0.0, 2.0, size) * 256) / 256).astype(np.float32)
   nu[-7:] = 0.0  # Roots of zero.
-  return (
-      jnp.asarray(grad.reshape(shape), grad_dtype), stored, jnp.asarray(nu.reshape(shape))
-  )
+  return (jnp.asarray(grad.reshape(shape), grad_dtype), stored, jnp.asarray(nu.reshape(shape)))
 
 
 def _step(grad, stored, nu, seed, *, block_size, packing, update_nu, implementation):
@@ -88,8 +80,14 @@ def _step(grad, stored, nu, seed, *, block_size, packing, update_nu, implementat
   ``implementation="reference"`` runs ``ternary_adam_update_reference``.
   """
   arguments = dict(
-      **{"nu" if update_nu else "nu_root": nu}, seed=seed, count=COUNT, b1=B1, b2=B2,
-      eps=EPS, block_size=block_size, packing=packing,
+    **{"nu" if update_nu else "nu_root": nu},
+    seed=seed,
+    count=COUNT,
+    b1=B1,
+    b2=B2,
+    eps=EPS,
+    block_size=block_size,
+    packing=packing,
   )
   if implementation == "reference":
     return jax.jit(functools.partial(ternary_adam_update_reference, **arguments))(grad, stored)
@@ -105,8 +103,11 @@ def _assert_steps_equal(actual, expected, message):
     np.testing.assert_array_equal(actual.nu, expected.nu, err_msg=message)
   assert actual.direction.dtype == expected.direction.dtype
   np.testing.assert_allclose(
-      np.asarray(actual.direction, np.float32), np.asarray(expected.direction, np.float32),
-      rtol=DIRECTION_RTOL if expected.direction.dtype == jnp.float32 else 1e-2, atol=0, err_msg=message,
+    np.asarray(actual.direction, np.float32),
+    np.asarray(expected.direction, np.float32),
+    rtol=DIRECTION_RTOL if expected.direction.dtype == jnp.float32 else 1e-2,
+    atol=0,
+    err_msg=message,
   )
 
 
@@ -121,8 +122,16 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
   size = math.prod(shape)
   grad, stored, nu = _inputs(seed, shape, block_size=block_size, packing=packing)
   rounding_seed = seed + 1
-  step = _step(grad, stored, nu, jnp.uint32(rounding_seed), block_size=block_size,
-               packing=packing, update_nu=update_nu, implementation=implementation)
+  step = _step(
+    grad,
+    stored,
+    nu,
+    jnp.uint32(rounding_seed),
+    block_size=block_size,
+    packing=packing,
+    update_nu=update_nu,
+    implementation=implementation,
+  )
   message = f"seed={seed}, {implementation}"
 
   def per_block(x, reduce):
@@ -131,7 +140,7 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
     return reduce(padded.reshape(-1, block_size), axis=1)
 
   g = np.asarray(grad, np.float32).reshape(-1)
-  m = (B1 * _decode(stored.packed, stored.scales, size, block_size, packing) + (1 - B1) * g)
+  m = B1 * _decode(stored.packed, stored.scales, size, block_size, packing) + (1 - B1) * g
   m = m.astype(np.float32)  # Exact (see B1).
   # Exact too: B1 and 1 - B1 are powers of two, one rounding in the sum.
   old_scales = np.asarray(stored.scales).reshape(-1)
@@ -142,14 +151,12 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
   scale = np.repeat(bound, block_size)[:size]
   trits = np.where(oracles.uniforms(rounding_seed, size) * scale < np.abs(m), np.sign(m), 0)
   np.testing.assert_array_equal(
-      step.momentum.packed, oracles.block_major_bytes(trits, shape, block_size, packing), err_msg=message
+    step.momentum.packed, oracles.block_major_bytes(trits, shape, block_size, packing), err_msg=message
   )
 
   g, nu64 = np.asarray(grad, np.float64), np.asarray(nu, np.float64)
   new_nu = B2 * nu64 + (1 - B2) * g * g if update_nu else nu64**2
-  direction = (np.asarray(m, np.float64).reshape(shape) / (1 - B1**COUNT)) / (
-      np.sqrt(new_nu / (1 - B2**COUNT)) + EPS
-  )
+  direction = (np.asarray(m, np.float64).reshape(shape) / (1 - B1**COUNT)) / (np.sqrt(new_nu / (1 - B2**COUNT)) + EPS)
   np.testing.assert_allclose(step.direction, direction, rtol=2e-6, err_msg=message)
   if update_nu:
     np.testing.assert_array_equal(step.nu, new_nu, err_msg=message)
@@ -161,12 +168,12 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
 # 256 elements, a partial last block, bfloat16 gradients, block-major
 # matrices with and without a tail.
 _PARITY_CASES = [
-    ("base3", 64, (640 * 2 + 77,), jnp.float32, True),
-    ("base3", 256, (1280 + 300,), jnp.float32, False),
-    ("2bit", 128, (512 * 2 + 5,), jnp.bfloat16, True),
-    ("base3", 128, (10, 384), jnp.float32, True),
-    ("2bit", 64, (4, 512), jnp.float32, False),
-    ("base3", 128, (12, 200), jnp.float32, False),
+  ("base3", 64, (640 * 2 + 77,), jnp.float32, True),
+  ("base3", 256, (1280 + 300,), jnp.float32, False),
+  ("2bit", 128, (512 * 2 + 5,), jnp.bfloat16, True),
+  ("base3", 128, (10, 384), jnp.float32, True),
+  ("2bit", 64, (4, 512), jnp.float32, False),
+  ("base3", 128, (12, 200), jnp.float32, False),
 ]
 
 
@@ -193,8 +200,15 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
   grad = jnp.ones((40, 50), jnp.bfloat16)
   stored = ternary.zeros((40, 50), block_size=64)
   step = ternary_adam_update(
-      grad, stored, jnp.zeros((40, 50)), seed=jnp.uint32(0), count=1,
-      b1=0.9, b2=0.999, eps=1e-8, block_size=64,
+    grad,
+    stored,
+    jnp.zeros((40, 50)),
+    seed=jnp.uint32(0),
+    count=1,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    block_size=64,
   )
   assert step.direction.shape == (40, 50) and step.direction.dtype == jnp.bfloat16
   assert step.nu.shape == (40, 50) and step.nu.dtype == jnp.float32
@@ -204,33 +218,39 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
 
 def _good_arguments():
   return dict(
-      grad=jnp.ones(100), momentum=ternary.zeros((100,), block_size=32),
-      nu=jnp.zeros(100), seed=jnp.uint32(0), count=1, b1=0.9, b2=0.999, eps=1e-8,
-      block_size=32,
+    grad=jnp.ones(100),
+    momentum=ternary.zeros((100,), block_size=32),
+    nu=jnp.zeros(100),
+    seed=jnp.uint32(0),
+    count=1,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    block_size=32,
   )
 
 
 @pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
-        (dict(block_size=48), "block_size"),
-        (dict(packing="base5"), "packing"),
-        (dict(momentum=ternary.zeros((200,), block_size=32)), "packed"),
-        # A flat byte layout is not the step's.
-        (dict(momentum=ternary.TernaryArray(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "packed"),
-        (dict(momentum=ternary.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
-        (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
-        (dict(nu=jnp.zeros(101)), "nu"),
-        (dict(nu=None, nu_root=jnp.zeros(101)), "nu_root"),
-        (dict(nu=None), "exactly one of nu"),
-        (dict(nu_root=jnp.zeros(100)), "exactly one of nu"),
-        (dict(seed=0), "seed"),
-        (dict(seed=jnp.zeros(2, jnp.uint32)), "seed"),
-        (dict(b1=1.5), "b1"),
-        (dict(b2=1.0), "b2"),
-        (dict(eps=-1e-8), "eps"),
-    ],
+  "change, match",
+  [
+    (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
+    (dict(block_size=48), "block_size"),
+    (dict(packing="base5"), "packing"),
+    (dict(momentum=ternary.zeros((200,), block_size=32)), "packed"),
+    # A flat byte layout is not the step's.
+    (dict(momentum=ternary.TernaryArray(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "packed"),
+    (dict(momentum=ternary.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
+    (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
+    (dict(nu=jnp.zeros(101)), "nu"),
+    (dict(nu=None, nu_root=jnp.zeros(101)), "nu_root"),
+    (dict(nu=None), "exactly one of nu"),
+    (dict(nu_root=jnp.zeros(100)), "exactly one of nu"),
+    (dict(seed=0), "seed"),
+    (dict(seed=jnp.zeros(2, jnp.uint32)), "seed"),
+    (dict(b1=1.5), "b1"),
+    (dict(b2=1.0), "b2"),
+    (dict(eps=-1e-8), "eps"),
+  ],
 )
 def test_bad_arguments_raise(change, match):
   arguments = {**_good_arguments(), **change}

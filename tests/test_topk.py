@@ -16,9 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend
-from pallas_kernels import dispatch
-from pallas_kernels import topk
+from pallas_kernels import _backend, dispatch, topk
 
 pytestmark = pytest.mark.kernels
 
@@ -70,9 +68,9 @@ def assert_same_selection(actual, expected, message: str):
   np.testing.assert_array_equal(actual_indices, expected_indices, err_msg=message)
   # Bitwise, so -0.0 against 0.0 or NaN payloads would show.
   np.testing.assert_array_equal(
-      np.asarray(actual_values.astype(jnp.float32)).view(np.uint32),
-      np.asarray(expected_values.astype(jnp.float32)).view(np.uint32),
-      err_msg=message,
+    np.asarray(actual_values.astype(jnp.float32)).view(np.uint32),
+    np.asarray(expected_values.astype(jnp.float32)).view(np.uint32),
+    err_msg=message,
   )
 
 
@@ -81,14 +79,14 @@ def assert_same_selection(actual, expected, message: str):
 # only a tail, k = 1, k = block_size, and tails of 456 at density 0.05
 # (keep 23, where ceil(k r / D) would keep 24).
 CASES = [
-    ((3, 512), 0.01, 512),
-    ((1300,), 0.0175, 512),
-    ((2, 5, 77), 0.015, 256),
-    ((100,), 0.03, 256),
-    ((2, 256), 0.001, 256),
-    ((700,), 1.0, 256),
-    ((456,), 0.05, 512),
-    ((2 * 512 + 456,), 0.05, 512),
+  ((3, 512), 0.01, 512),
+  ((1300,), 0.0175, 512),
+  ((2, 5, 77), 0.015, 256),
+  ((100,), 0.03, 256),
+  ((2, 256), 0.001, 256),
+  ((700,), 1.0, 256),
+  ((456,), 0.05, 512),
+  ((2 * 512 + 456,), 0.05, 512),
 ]
 KINDS = ["normal", "integers", "sparse", "special"]
 
@@ -106,8 +104,8 @@ def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtyp
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "shape, density, block_size",
-    CASES + [((5, 301), 0.035, 200), ((3, 4096), 0.01, 4096)],  # one stage; two stages (k = 41, groups of 8)
+  "shape, density, block_size",
+  CASES + [((5, 301), 0.035, 200), ((3, 4096), 0.01, 4096)],  # one stage; two stages (k = 41, groups of 8)
 )
 def test_xla_equals_reference(shape, density, block_size, dtype, kind, seed):
   x = draw_input(kind, shape, dtype, seed)
@@ -119,8 +117,8 @@ def test_xla_equals_reference(shape, density, block_size, dtype, kind, seed):
 @pytest.mark.parametrize("shape, density, block_size", CASES)
 def test_every_kernel_case_reaches_the_kernel(shape, density, block_size):
   text = _backend.lower_for_cuda(
-      functools.partial(topk.block_topk, density=density, block_size=block_size, implementation="pallas"),
-      jax.ShapeDtypeStruct(shape, jnp.float32),
+    functools.partial(topk.block_topk, density=density, block_size=block_size, implementation="pallas"),
+    jax.ShapeDtypeStruct(shape, jnp.float32),
   )
   assert "mosaic_gpu" in text
 
@@ -132,9 +130,7 @@ def test_reference_equals_numpy(kind, dtype, seed):
   indices, values = topk.block_topk_reference(x, density=0.035, block_size=200)
   expected_indices, expected_values = numpy_block_topk(x, 0.035, 200)
   np.testing.assert_array_equal(indices, expected_indices, err_msg=f"seed={seed}")
-  np.testing.assert_array_equal(
-      np.asarray(values.astype(jnp.float32)), expected_values, err_msg=f"seed={seed}"
-  )
+  np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), expected_values, err_msg=f"seed={seed}")
 
 
 TIE_HEAVY = st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, np.inf, -np.inf])
@@ -142,16 +138,16 @@ ANY_FLOAT = st.floats(width=32, allow_nan=False)
 
 
 @hypothesis.given(
-    data=st.data(),
-    block_size=st.integers(1, 24),
-    size=st.integers(0, 80),
-    density=st.sampled_from([0.01, 0.05, 0.07, 0.1, 0.3, 0.5, 1.0]),
-    bfloat16=st.booleans(),
+  data=st.data(),
+  block_size=st.integers(1, 24),
+  size=st.integers(0, 80),
+  density=st.sampled_from([0.01, 0.05, 0.07, 0.1, 0.3, 0.5, 1.0]),
+  bfloat16=st.booleans(),
 )
 def test_selection_properties(data, block_size, size, density, bfloat16):
   elements = data.draw(
-      st.lists(st.one_of(TIE_HEAVY, ANY_FLOAT), min_size=size, max_size=size),
-      label="x",
+    st.lists(st.one_of(TIE_HEAVY, ANY_FLOAT), min_size=size, max_size=size),
+    label="x",
   )
   x = jnp.asarray(np.array(elements, np.float32), jnp.bfloat16 if bfloat16 else jnp.float32)
   indices, values = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
@@ -177,24 +173,22 @@ def test_selection_properties(data, block_size, size, density, bfloat16):
     for i in np.flatnonzero(selected):
       equal_unselected = np.flatnonzero(~selected & (block == block[i]))
       assert np.all(equal_unselected > i)
-    np.testing.assert_array_equal(
-        np.asarray(values[offset - keep : offset]), np.asarray(x[start + chosen])
-    )
+    np.testing.assert_array_equal(np.asarray(values[offset - keep : offset]), np.asarray(x[start + chosen]))
   assert indices.shape == values.shape == (offset,)
 
 
 @pytest.mark.parametrize(
-    "size, density, block_size, expected",
-    [
-        (456, 0.05, 512, 23),  # a tail only: ceil(22.8)
-        (512 + 456, 0.05, 512, 26 + 23),  # ceil(25.6) per full block
-        (3 * 16384 + 1000, 0.01, 16384, 3 * 164 + 10),
-        (100, 0.07, 256, 7),  # 100 * 0.07 = 7.000000000000001 keeps 7
-        (4 * 256, 0.001, 256, 4),  # at least one per block
-        (256 + 3, 0.001, 256, 1 + 1),  # and per tail
-        (10, 1.0, 4, 10),
-        (0, 0.5, 4, 0),
-    ],
+  "size, density, block_size, expected",
+  [
+    (456, 0.05, 512, 23),  # a tail only: ceil(22.8)
+    (512 + 456, 0.05, 512, 26 + 23),  # ceil(25.6) per full block
+    (3 * 16384 + 1000, 0.01, 16384, 3 * 164 + 10),
+    (100, 0.07, 256, 7),  # 100 * 0.07 = 7.000000000000001 keeps 7
+    (4 * 256, 0.001, 256, 4),  # at least one per block
+    (256 + 3, 0.001, 256, 1 + 1),  # and per tail
+    (10, 1.0, 4, 10),
+    (0, 0.5, 4, 0),
+  ],
 )
 def test_selection_size_follows_the_documented_formula(size, density, block_size, expected):
   assert topk.selection_size(size, density=density, block_size=block_size) == expected
@@ -202,9 +196,9 @@ def test_selection_size_follows_the_documented_formula(size, density, block_size
 
 
 @hypothesis.given(
-    size=st.integers(0, 10**6),
-    block_size=st.integers(1, 5000),
-    density=st.floats(1e-4, 1.0),
+  size=st.integers(0, 10**6),
+  block_size=st.integers(1, 5000),
+  density=st.floats(1e-4, 1.0),
 )
 def test_selection_size_counts_every_block(size, block_size, density):
   full_blocks, tail = divmod(size, block_size)
@@ -222,9 +216,7 @@ def test_all_equal_magnitudes_take_the_lowest_indices(implementation):
 
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 def test_nans_rank_above_infinities(implementation):
-  x = jnp.zeros(256).at[jnp.array([3, 50, 90, 200])].set(
-      jnp.array([-jnp.inf, jnp.nan, jnp.inf, -jnp.nan])
-  )
+  x = jnp.zeros(256).at[jnp.array([3, 50, 90, 200])].set(jnp.array([-jnp.inf, jnp.nan, jnp.inf, -jnp.nan]))
   indices, _ = topk.block_topk(x, density=0.01, block_size=256, implementation=implementation)
   np.testing.assert_array_equal(indices, [3, 50, 200])
 
@@ -233,7 +225,7 @@ def test_nans_rank_above_infinities(implementation):
 @pytest.mark.parametrize("implementation", [None, "xla", "interpret"])
 def test_empty_input_gives_an_empty_selection(shape, implementation):
   indices, values = topk.block_topk(
-      jnp.zeros(shape, jnp.bfloat16), density=0.01, block_size=256, implementation=implementation
+    jnp.zeros(shape, jnp.bfloat16), density=0.01, block_size=256, implementation=implementation
   )
   assert indices.shape == values.shape == (0,)
   assert indices.dtype == jnp.int16 and values.dtype == jnp.bfloat16
@@ -255,19 +247,19 @@ def test_numpy_scalar_arguments_and_jit(seed):
 
 
 @pytest.mark.parametrize(
-    "kwargs, argument",
-    [
-        (dict(density=0.0, block_size=256), "density"),
-        (dict(density=1.5, block_size=256), "density"),
-        (dict(density=True, block_size=256), "density"),
-        (dict(density="0.1", block_size=256), "density"),
-        (dict(density=0.1, block_size=0), "block_size"),
-        (dict(density=0.1, block_size=2**31 + 1), "block_size"),
-        (dict(density=0.1, block_size=256.0), "block_size"),
-        (dict(density=0.1, block_size=256, implementation="cuda"), "implementation"),
-        (dict(density=0.1, block_size=100, implementation="interpret"), "block_size"),
-        (dict(density=0.1, block_size=100, implementation="pallas"), "block_size"),
-    ],
+  "kwargs, argument",
+  [
+    (dict(density=0.0, block_size=256), "density"),
+    (dict(density=1.5, block_size=256), "density"),
+    (dict(density=True, block_size=256), "density"),
+    (dict(density="0.1", block_size=256), "density"),
+    (dict(density=0.1, block_size=0), "block_size"),
+    (dict(density=0.1, block_size=2**31 + 1), "block_size"),
+    (dict(density=0.1, block_size=256.0), "block_size"),
+    (dict(density=0.1, block_size=256, implementation="cuda"), "implementation"),
+    (dict(density=0.1, block_size=100, implementation="interpret"), "block_size"),
+    (dict(density=0.1, block_size=100, implementation="pallas"), "block_size"),
+  ],
 )
 def test_bad_arguments_name_themselves(kwargs, argument):
   with pytest.raises(ValueError, match=f"^{argument} must"):
@@ -278,9 +270,7 @@ def test_bad_arguments_name_themselves(kwargs, argument):
 def test_traced_shape_arguments_say_to_make_them_static(argument):
   arguments = dict(density=0.1, block_size=256)
   with pytest.raises(ValueError, match=f"^{argument} fixes .* static_args"):
-    jax.jit(lambda value: topk.block_topk(jnp.ones(300), **(arguments | {argument: value})))(
-        arguments[argument]
-    )
+    jax.jit(lambda value: topk.block_topk(jnp.ones(300), **(arguments | {argument: value})))(arguments[argument])
 
 
 def test_bad_x_and_size_name_themselves():
@@ -288,9 +278,7 @@ def test_bad_x_and_size_name_themselves():
     topk.block_topk(jnp.ones(300, jnp.int32), density=0.1, block_size=256)
   with jax.enable_x64(True):
     with pytest.raises(ValueError, match="^x must"):
-      topk.block_topk(
-          jnp.ones(300, jnp.float64), density=0.1, block_size=256, implementation="interpret"
-      )
+      topk.block_topk(jnp.ones(300, jnp.float64), density=0.1, block_size=256, implementation="interpret")
   with pytest.raises(ValueError, match="^size must"):
     topk.selection_size(-1, density=0.1, block_size=256)
 
@@ -352,9 +340,9 @@ def test_zero_selected_equals_zeroing_the_selected_positions(shape, density, blo
   expected = numpy_zero_selected(np.asarray(x.astype(jnp.float32)), density, block_size)
   # Bitwise, so a -0.0 left in place or a NaN payload would show.
   np.testing.assert_array_equal(
-      np.asarray(zeroed.astype(jnp.float32)).view(np.uint32),
-      expected.astype(np.float32).view(np.uint32),
-      err_msg=f"seed={seed}",
+    np.asarray(zeroed.astype(jnp.float32)).view(np.uint32),
+    expected.astype(np.float32).view(np.uint32),
+    err_msg=f"seed={seed}",
   )
 
 

@@ -64,9 +64,7 @@ def test_transformer_config_rejects_bad_heads():
 
 
 def test_adamw_learns_the_text():
-  result = loop.train(
-      main_job.MODEL_SIZES["tiny"], optax.adamw(3e-3), steps=60, batch_size=8, seq_len=32
-  )
+  result = loop.train(main_job.MODEL_SIZES["tiny"], optax.adamw(3e-3), steps=60, batch_size=8, seq_len=32)
   # Uniform guessing over bytes costs ln(256) = 5.55 nats; English bytes are
   # far more predictable, so 60 steps must clearly beat it.
   assert result.train_losses[0] > 5.0
@@ -132,14 +130,19 @@ def test_each_run_writes_its_own_folder_and_says_when_it_replaces_one(tmp_path, 
   assert main_job.main(compare) == 0
   assert "replacing" not in capsys.readouterr().out
   assert [row["optimizer"] for row in json.loads((tmp_path / "adafactor" / "results.json").read_text())] == [
-      "adafactor"]
+    "adafactor"
+  ]
   assert [row["optimizer"] for row in json.loads((tmp_path / "adafactor-vs-adamw" / "results.json").read_text())] == [
-      "adafactor", "adamw"]
+    "adafactor",
+    "adamw",
+  ]
   assert main_job.main(single) == 0
   assert f"replacing the results of an earlier run in {tmp_path / 'adafactor'}/" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--learning-rate=-1e-3"], "argument --learning-rate: must be a finite number >= 0; got '-1e-3'"),
     (["--learning-rate", "nan"], "argument --learning-rate: must be a finite number >= 0; got 'nan'"),
     (["--learning-rate", "inf"], "argument --learning-rate: must be a finite number >= 0; got 'inf'"),
@@ -148,7 +151,8 @@ def test_each_run_writes_its_own_folder_and_says_when_it_replaces_one(tmp_path, 
     (["--compare", "sgd-with-dreams"], "--compare: unknown optimizer 'sgd-with-dreams'"),
     (["--compare", "adamw", "adamw"], "--compare: adamw is named more than once"),
     (["--optimizer", "adamw", "--compare", "taco"], "argument --compare: not allowed with argument --optimizer"),
-])
+  ],
+)
 def test_main_job_refuses_bad_input_before_training(args, message, tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main_job.main(args + ["--out", str(tmp_path / "results")])
@@ -162,8 +166,8 @@ def test_main_job_refuses_an_unusable_out_folder_before_training(tmp_path, capsy
   a_file = tmp_path / "notes.txt"
   a_file.write_text("")
   for out, message in (
-      (a_file, f"--out {a_file} is a file; name a folder"),
-      (a_file / "results", f"--out: cannot create the folder {a_file / 'results'}: Not a directory"),
+    (a_file, f"--out {a_file} is a file; name a folder"),
+    (a_file / "results", f"--out: cannot create the folder {a_file / 'results'}: Not a directory"),
   ):
     with pytest.raises(SystemExit) as exit_info:
       main_job.main(["--out", str(out)])
@@ -174,8 +178,9 @@ def test_main_job_refuses_an_unusable_out_folder_before_training(tmp_path, capsy
 
 def test_learning_rate_zero_is_honoured(tmp_path):
   config = main_job.MODEL_SIZES["tiny"]
-  code = main_job.main(["--optimizer", "adamw", "--learning-rate", "0", "--steps", "3",
-                        "--out", str(tmp_path)] + TINY_RUN)
+  code = main_job.main(
+    ["--optimizer", "adamw", "--learning-rate", "0", "--steps", "3", "--out", str(tmp_path)] + TINY_RUN
+  )
   (row,) = json.loads((tmp_path / "adamw" / "results.json").read_text())
   assert code == 0 and row["learning_rate"] == 0.0
   # The parameters did not move: the held-out loss is the initial model's.
@@ -187,10 +192,15 @@ def test_learning_rate_zero_is_honoured(tmp_path):
 
 def test_a_diverging_run_is_reported_and_the_comparison_finishes(tmp_path, capsys, monkeypatch):
   # The same huge rate makes AdamW diverge within a few steps but not an AdamW that ignores it.
-  monkeypatch.setitem(optimizers.OPTIMIZERS, "adamw_at_1e-3", optimizers.OptimizerSpec(
-      lambda lr, config: optax.adamw(1e-3), 1e-3, "AdamW whatever the rate it is given"))
-  code = main_job.main(["--compare", "adamw", "adamw_at_1e-3", "--learning-rate", "1000",
-                        "--steps", "6", "--out", str(tmp_path)] + TINY_RUN)
+  monkeypatch.setitem(
+    optimizers.OPTIMIZERS,
+    "adamw_at_1e-3",
+    optimizers.OptimizerSpec(lambda lr, config: optax.adamw(1e-3), 1e-3, "AdamW whatever the rate it is given"),
+  )
+  code = main_job.main(
+    ["--compare", "adamw", "adamw_at_1e-3", "--learning-rate", "1000", "--steps", "6", "--out", str(tmp_path)]
+    + TINY_RUN
+  )
   captured = capsys.readouterr()
   folder = tmp_path / "adamw-vs-adamw_at_1e-3"
   diverged, steady = json.loads((folder / "results.json").read_text())

@@ -22,19 +22,18 @@ NAMES = sorted(CASES)
 def make_params(dtype=jnp.float32, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   return {
-      "dense": {
-          "kernel": jax.random.normal(keys[0], (24, 40), dtype) * 0.2,
-          "bias": jnp.zeros((40,), dtype),
-      },
-      "embed": {"embedding": jax.random.normal(keys[1], (50, 24), dtype) * 0.2},
-      "norm": {"scale": jnp.ones((24,), dtype)},
+    "dense": {
+      "kernel": jax.random.normal(keys[0], (24, 40), dtype) * 0.2,
+      "bias": jnp.zeros((40,), dtype),
+    },
+    "embed": {"embedding": jax.random.normal(keys[1], (50, 24), dtype) * 0.2},
+    "norm": {"scale": jnp.ones((24,), dtype)},
   }
 
 
 def quadratic_loss(params, target):
   return sum(
-      jnp.sum((p.astype(jnp.float32) - t) ** 2)
-      for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
+    jnp.sum((p.astype(jnp.float32) - t) ** 2) for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
   )
 
 
@@ -42,8 +41,8 @@ def make_target(params, seed):
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   return jax.tree.unflatten(
-      treedef,
-      [jax.random.normal(k, p.shape, jnp.float32) * 0.5 for k, p in zip(keys, leaves)],
+    treedef,
+    [jax.random.normal(k, p.shape, jnp.float32) * 0.5 for k, p in zip(keys, leaves)],
   )
 
 
@@ -79,9 +78,9 @@ def test_state_is_stable_through_lax_cond(name, seed):
   def step(params, state, take_step):
     grads = jax.grad(quadratic_loss)(params, target)
     updates, new_state = jax.lax.cond(
-        take_step,
-        lambda: opt.update(grads, state, params),
-        lambda: (jax.tree.map(jnp.zeros_like, params), state),
+      take_step,
+      lambda: opt.update(grads, state, params),
+      lambda: (jax.tree.map(jnp.zeros_like, params), state),
     )
     return optax.apply_updates(params, updates), new_state
 
@@ -128,14 +127,14 @@ def norm(tree) -> float:
 # 0.71 with the first or second moment's correction left out, 1.33 or 0.87
 # with either taken one step late. Ternary Adam's noise hides the late ones.
 STEP_RATIO_RANGE = {
-    "optax_adamw": (1 - 1e-5, 1 + 1e-5),
-    "adam_mini": (1 - 1e-5, 1 + 1e-5),
-    "taco": (1 - 1e-5, 1 + 1e-5),
-    "adamw_8bit": (0.99, 1.01),
-    "adamw_fp8": (0.99, 1.01),
-    "microadam": (0.99, 1.01),
-    "adamw_4bit": (0.8, 1.0),
-    "ternary_adam": (1.0, 1.45),
+  "optax_adamw": (1 - 1e-5, 1 + 1e-5),
+  "adam_mini": (1 - 1e-5, 1 + 1e-5),
+  "taco": (1 - 1e-5, 1 + 1e-5),
+  "adamw_8bit": (0.99, 1.01),
+  "adamw_fp8": (0.99, 1.01),
+  "microadam": (0.99, 1.01),
+  "adamw_4bit": (0.8, 1.0),
+  "ternary_adam": (1.0, 1.45),
 }
 
 
@@ -154,16 +153,16 @@ def test_steps_on_a_constant_gradient_keep_their_size_and_descend(name, seed):
   ratio = norm(steps[1]) / norm(steps[0])
   assert low <= ratio <= high, f"{name}, seed {seed}: second step {ratio:.4f} of the first"
   for updates in steps:
-    along_gradient = sum(jnp.vdot(u.astype(jnp.float32), g) for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)))
+    along_gradient = sum(
+      jnp.vdot(u.astype(jnp.float32), g) for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads))
+    )
     assert along_gradient < 0, f"{name}, seed {seed}: a step up the gradient"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inject_hyperparams_matches_plain(name, seed):
   case = CASES[name]
-  injected = optax.inject_hyperparams(case.factory, static_args=case.static_args)(
-      **case.kwargs
-  )
+  injected = optax.inject_hyperparams(case.factory, static_args=case.static_args)(**case.kwargs)
   params = make_params()
   target = make_target(params, seed)
   injected_state = injected.init(params)
@@ -176,9 +175,7 @@ def test_inject_hyperparams_matches_plain(name, seed):
   for _ in range(3):
     grads = jax.grad(quadratic_loss)(params, target)
     plain_updates, plain_state = jax.jit(plain.update)(grads, plain_state, params)
-    injected_updates, injected_state = jax.jit(injected.update)(
-        grads, injected_state, params
-    )
+    injected_updates, injected_state = jax.jit(injected.update)(grads, injected_state, params)
     chex.assert_trees_all_close(injected_updates, plain_updates, rtol=1e-5, atol=1e-7)
     params = optax.apply_updates(params, plain_updates)
 
@@ -194,8 +191,8 @@ def test_constant_schedule_equals_constant_learning_rate(name, seed):
   for _ in range(3):
     grads = jax.grad(quadratic_loss)(params, target)
     (u_schedule, states[0]), (u_float, states[1]) = (
-        jax.jit(with_schedule.update)(grads, states[0], params),
-        jax.jit(with_float.update)(grads, states[1], params),
+      jax.jit(with_schedule.update)(grads, states[0], params),
+      jax.jit(with_float.update)(grads, states[1], params),
     )
     chex.assert_trees_all_close(u_schedule, u_float, rtol=1e-6)
     params = optax.apply_updates(params, u_float)
@@ -214,17 +211,13 @@ def on_dyadic_grid(tree, rng):
   running mean ``a + (g - a) / 2`` and the plain mean are then the same
   float32 numbers, and the runs compared see identical gradients.
   """
-  return jax.tree.map(
-      lambda p: jnp.asarray(np.round(rng.normal(0.0, 0.1, p.shape) * 4096) / 4096, p.dtype), tree
-  )
+  return jax.tree.map(lambda p: jnp.asarray(np.round(rng.normal(0.0, 0.1, p.shape) * 4096) / 4096, p.dtype), tree)
 
 
 def assert_same_values(actual, expected, what: str) -> None:
   """Same structure; codes (integers, narrow floats) equal, float32 within a few ulps."""
   assert jax.tree.structure(actual) == jax.tree.structure(expected), what
-  for (path, got), want in zip(
-      jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected), strict=True
-  ):
+  for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected), strict=True):
     where = f"{what}{jax.tree_util.keystr(path)}"
     got, want = np.asarray(got), np.asarray(want)
     assert (got.dtype, got.shape) == (want.dtype, want.shape), where
@@ -275,8 +268,8 @@ def test_chains_after_clipping_and_under_a_mask(name, seed):
   params = make_params()
   only_dense = {k: k == "dense" for k in params}
   opt = optax.chain(
-      optax.clip_by_global_norm(1.0),
-      optax.masked(build(name), only_dense),
+    optax.clip_by_global_norm(1.0),
+    optax.masked(build(name), only_dense),
   )
   target = make_target(params, seed)
   state = opt.init(params)

@@ -29,9 +29,9 @@ def step(g, m):
 def trees(seed):
   rng = np.random.default_rng(seed)
   g = {
-      "a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
-      "b": [jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16), jnp.asarray([-0.0, np.nan, np.inf], jnp.float32)],
-      "c": jnp.zeros((0, 4), jnp.float32),
+    "a": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+    "b": [jnp.asarray(rng.normal(size=(7,)), jnp.bfloat16), jnp.asarray([-0.0, np.nan, np.inf], jnp.float32)],
+    "c": jnp.zeros((0, 4), jnp.float32),
   }
   m = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), g)
   return g, m
@@ -54,7 +54,7 @@ def test_each_leaf_waits_for_the_previous_leafs_state_in_cpu_programs_only():
   assert on_cpu.count("subtract") > on_cuda.count("subtract")
   assert xla_cpu.SCOPE in on_cpu and xla_cpu.SCOPE not in on_cuda
   assert lowered(lambda g, m: jax.tree.map(step, g, m), g, m, platform="cuda").count("subtract") == on_cuda.count(
-      "subtract"
+    "subtract"
   )
 
 

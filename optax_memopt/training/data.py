@@ -19,16 +19,16 @@ VOCAB_SIZE = 256  # Bytes.
 # Fixed so that every machine with the same CPython minor version reads the
 # same text; the modules are plain Python and present in every install.
 _STDLIB_SOURCE_FILES = (
-    "argparse.py",
-    "textwrap.py",
-    "json/decoder.py",
-    "json/encoder.py",
-    "collections/__init__.py",
-    "functools.py",
-    "dataclasses.py",
-    "pathlib.py",
-    "shutil.py",
-    "tempfile.py",
+  "argparse.py",
+  "textwrap.py",
+  "json/decoder.py",
+  "json/encoder.py",
+  "collections/__init__.py",
+  "functools.py",
+  "dataclasses.py",
+  "pathlib.py",
+  "shutil.py",
+  "tempfile.py",
 )
 
 
@@ -63,22 +63,15 @@ def load_corpus(name: str = "pydoc_topics") -> np.ndarray:
 def split(tokens: np.ndarray, validation_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
   """Train and held-out parts: the last ``validation_fraction`` of the text."""
   if not 0.0 < validation_fraction < 1.0:
-    raise ValueError(
-        f"validation_fraction must be in (0, 1); got {validation_fraction}."
-    )
+    raise ValueError(f"validation_fraction must be in (0, 1); got {validation_fraction}.")
   cut = int(len(tokens) * (1.0 - validation_fraction))
   return tokens[:cut], tokens[cut:]
 
 
-def random_windows(
-    tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int
-) -> Iterator[np.ndarray]:
+def random_windows(tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int) -> Iterator[np.ndarray]:
   """Endless batches of ``seq_len + 1`` consecutive tokens at random offsets."""
   if len(tokens) <= seq_len + 1:
-    raise ValueError(
-        f"seq_len={seq_len} needs more than {seq_len + 1} tokens; the text has"
-        f" {len(tokens)}."
-    )
+    raise ValueError(f"seq_len={seq_len} needs more than {seq_len + 1} tokens; the text has {len(tokens)}.")
   rng = np.random.default_rng(seed)
   offsets = np.arange(seq_len + 1)
   while True:
@@ -86,9 +79,7 @@ def random_windows(
     yield tokens[starts[:, None] + offsets].astype(np.int32)
 
 
-def evaluation_windows(
-    tokens: np.ndarray, *, batch_size: int, seq_len: int, max_batches: int
-) -> list[np.ndarray]:
+def evaluation_windows(tokens: np.ndarray, *, batch_size: int, seq_len: int, max_batches: int) -> list[np.ndarray]:
   """Non-overlapping windows from the start of ``tokens``, the same every call."""
   window = seq_len + 1
   count = min(len(tokens) // window, batch_size * max_batches)

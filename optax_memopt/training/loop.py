@@ -56,9 +56,7 @@ def init_params(config: model.TransformerConfig, seed: int) -> tuple[nnx.GraphDe
 def next_token_loss(graphdef: nnx.GraphDef, params: Params, batch: jax.Array) -> jax.Array:
   """Mean cross-entropy of predicting ``batch[:, 1:]`` from ``batch[:, :-1]``."""
   logits = nnx.merge(graphdef, params)(batch[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch[:, 1:]
-  ).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
 
 
 def evaluate(graphdef, params, tokens: np.ndarray, *, batch_size: int, seq_len: int) -> float:
@@ -69,17 +67,17 @@ def evaluate(graphdef, params, tokens: np.ndarray, *, batch_size: int, seq_len: 
 
 
 def train(
-    config: model.TransformerConfig,
-    optimizer: optax.GradientTransformation,
-    *,
-    steps: int,
-    batch_size: int,
-    seq_len: int,
-    seed: int = 0,
-    corpus: str = "pydoc_topics",
-    params: Params | None = None,
-    progress: ProgressFn | None = None,
-    progress_every: int = 10,
+  config: model.TransformerConfig,
+  optimizer: optax.GradientTransformation,
+  *,
+  steps: int,
+  batch_size: int,
+  seq_len: int,
+  seed: int = 0,
+  corpus: str = "pydoc_topics",
+  params: Params | None = None,
+  progress: ProgressFn | None = None,
+  progress_every: int = 10,
 ) -> TrainResult:
   """Trains for ``steps`` steps on ``corpus`` and reports losses and state size.
 
@@ -124,16 +122,16 @@ def train(
       bad = next((j for j in range(checked, len(losses)) if not math.isfinite(losses[j])), None)
       if bad is not None:
         raise NonFiniteLossError(
-            f"the training loss became {losses[bad]} at step {bad + 1} of {steps}",
-            step=bad + 1,
-            result=TrainResult(
-                train_losses=losses[:bad],
-                validation_loss=math.nan,
-                state_bytes=state_nbytes(opt_state),
-                n_params=_size(params),
-                seconds_per_step=seconds_per_step(i + 1),
-                params=params,
-            ),
+          f"the training loss became {losses[bad]} at step {bad + 1} of {steps}",
+          step=bad + 1,
+          result=TrainResult(
+            train_losses=losses[:bad],
+            validation_loss=math.nan,
+            state_bytes=state_nbytes(opt_state),
+            n_params=_size(params),
+            seconds_per_step=seconds_per_step(i + 1),
+            params=params,
+          ),
         )
       checked = len(losses)
       if i == 0:
@@ -141,17 +139,18 @@ def train(
       elif progress is not None:
         progress(i + 1, losses[-1], i / max(time.perf_counter() - start, 1e-9))
   result = TrainResult(
-      train_losses=losses,
-      validation_loss=evaluate(graphdef, params, valid_tokens, batch_size=batch_size, seq_len=seq_len),
-      state_bytes=state_nbytes(opt_state),
-      n_params=_size(params),
-      seconds_per_step=seconds_per_step(steps),
-      params=params,
+    train_losses=losses,
+    validation_loss=evaluate(graphdef, params, valid_tokens, batch_size=batch_size, seq_len=seq_len),
+    state_bytes=state_nbytes(opt_state),
+    n_params=_size(params),
+    seconds_per_step=seconds_per_step(steps),
+    params=params,
   )
   if not math.isfinite(result.validation_loss):
     raise NonFiniteLossError(
-        f"the validation loss after the last step ({steps}) is {result.validation_loss}",
-        step=steps, result=result,
+      f"the validation loss after the last step ({steps}) is {result.validation_loss}",
+      step=steps,
+      result=result,
     )
   return result
 

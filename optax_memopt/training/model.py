@@ -34,9 +34,7 @@ class TransformerConfig:
     if self.dim % self.n_heads:
       raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}.")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(
-          f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}."
-      )
+      raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}.")
     if (self.dim // self.n_heads) % 2:
       raise ValueError("dim // n_heads must be even for rotary positions.")
 
@@ -57,7 +55,6 @@ def rotate(x: jax.Array, base: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.config = config
     kv_features = config.n_kv_heads * config.head_dim
@@ -84,7 +81,6 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.gate = nnx.Linear(config.dim, config.ffn_dim, use_bias=False, rngs=rngs)
     self.up = nnx.Linear(config.dim, config.ffn_dim, use_bias=False, rngs=rngs)
@@ -95,7 +91,6 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.attention_norm = nnx.RMSNorm(config.dim, rngs=rngs)
     self.attention = Attention(config, rngs=rngs)
@@ -119,9 +114,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     if tokens.shape[-1] > self.config.max_len:
-      raise ValueError(
-          f"sequence length {tokens.shape[-1]} exceeds max_len={self.config.max_len}."
-      )
+      raise ValueError(f"sequence length {tokens.shape[-1]} exceeds max_len={self.config.max_len}.")
     x = self.embed(tokens)
     for layer in self.layers:
       x = layer(x)

@@ -34,73 +34,74 @@ class OptimizerSpec:
 def _with_kernels(alias: Callable[..., optax.GradientTransformation], **options) -> Callable[..., Any]:
   """``build`` for one of our aliases that takes ``implementation=``, with the shared weight decay."""
   return lambda lr, config, implementation=None: alias(
-      lr, weight_decay=WEIGHT_DECAY, implementation=implementation, **options
+    lr, weight_decay=WEIGHT_DECAY, implementation=implementation, **options
   )
 
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(
-        lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
-        3e-3,
-        "optax.adamw, fp32 m and v: the baseline",
+  "adamw": OptimizerSpec(
+    lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "optax.adamw, fp32 m and v: the baseline",
+  ),
+  "adamw_bf16": OptimizerSpec(
+    lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
+    3e-3,
+    "optax.adamw with a bf16 first moment",
+  ),
+  "adafactor": OptimizerSpec(
+    # optax.adafactor's weight_decay_rate is not scaled by the learning
+    # rate and makes this model diverge; it runs without decay, as usual.
+    lambda lr, config: optax.adafactor(lr),
+    1e-2,
+    "optax.adafactor: factored second moment, no first moment",
+  ),
+  "microadam": OptimizerSpec(
+    _with_kernels(optax_memopt.microadam),
+    3e-3,
+    "MicroAdam: window of 10 top-1% sparse gradients plus 4-bit error feedback",
+    has_kernels=True,
+  ),
+  "adam_mini": OptimizerSpec(
+    lambda lr, config: optax_memopt.adam_mini(
+      lr, weight_decay=WEIGHT_DECAY, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads
     ),
-    "adamw_bf16": OptimizerSpec(
-        lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
-        3e-3,
-        "optax.adamw with a bf16 first moment",
-    ),
-    "adafactor": OptimizerSpec(
-        # optax.adafactor's weight_decay_rate is not scaled by the learning
-        # rate and makes this model diverge; it runs without decay, as usual.
-        lambda lr, config: optax.adafactor(lr),
-        1e-2,
-        "optax.adafactor: factored second moment, no first moment",
-    ),
-    "microadam": OptimizerSpec(
-        _with_kernels(optax_memopt.microadam),
-        3e-3,
-        "MicroAdam: window of 10 top-1% sparse gradients plus 4-bit error feedback",
-        has_kernels=True,
-    ),
-    "adam_mini": OptimizerSpec(
-        lambda lr, config: optax_memopt.adam_mini(
-            lr, weight_decay=WEIGHT_DECAY, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads
-        ),
-        3e-3,
-        "Adam-mini: one second moment per head, neuron or token",
-    ),
-    "ternary_adam": OptimizerSpec(
-        lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
-        3e-3,
-        "ternary-state Adam: base-3 trits with block scales for m, factored v",
-    ),
-    "taco": OptimizerSpec(
-        _with_kernels(optax_memopt.taco),
-        1e-2,
-        "TACO: signed argmax per input feature, one fp8 heavy hitter in each of 16 parts of a row; Adam on vectors and embeddings",
-        has_kernels=True,
-    ),
-    "taco_one_segment": OptimizerSpec(
-        _with_kernels(optax_memopt.taco, segments=1),
-        1e-2,
-        "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
-        has_kernels=True,
-    ),
-    "adamw_8bit": OptimizerSpec(
-        lambda lr, config: optax_memopt.adamw_8bit(lr, weight_decay=WEIGHT_DECAY),
-        3e-3,
-        "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
-    ),
-    "adamw_4bit": OptimizerSpec(
-        lambda lr, config: optax_memopt.adamw_4bit(lr, weight_decay=WEIGHT_DECAY),
-        3e-3,
-        "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
-    ),
-    "adamw_fp8": OptimizerSpec(
-        lambda lr, config: optax_memopt.adamw_fp8(lr, weight_decay=WEIGHT_DECAY),
-        3e-3,
-        "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
-    ),
+    3e-3,
+    "Adam-mini: one second moment per head, neuron or token",
+  ),
+  "ternary_adam": OptimizerSpec(
+    lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "ternary-state Adam: base-3 trits with block scales for m, factored v",
+  ),
+  "taco": OptimizerSpec(
+    _with_kernels(optax_memopt.taco),
+    1e-2,
+    "TACO: signed argmax per input feature, one fp8 heavy hitter in each of 16 parts of a row;"
+    " Adam on vectors and embeddings",
+    has_kernels=True,
+  ),
+  "taco_one_segment": OptimizerSpec(
+    _with_kernels(optax_memopt.taco, segments=1),
+    1e-2,
+    "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
+    has_kernels=True,
+  ),
+  "adamw_8bit": OptimizerSpec(
+    lambda lr, config: optax_memopt.adamw_8bit(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
+  ),
+  "adamw_4bit": OptimizerSpec(
+    lambda lr, config: optax_memopt.adamw_4bit(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
+  ),
+  "adamw_fp8": OptimizerSpec(
+    lambda lr, config: optax_memopt.adamw_fp8(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
+  ),
 }
 
 
@@ -122,37 +123,40 @@ def vocabulary_in_float32(params: optax.Params, names=VOCABULARY_NAMES) -> Any:
   32-bit state for the same reason.
   """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "float32" if any(n in jax.tree_util.keystr(path) for n in names) else "quantized", params
+    lambda path, _: "float32" if any(n in jax.tree_util.keystr(path) for n in names) else "quantized", params
   )
 
 
 def _vocabulary_in_float32(alias: Callable[..., optax.GradientTransformation]) -> Callable[..., Any]:
   """``build`` for a low-bit AdamW whose embedding and output head keep ``optax.adamw``'s float32 state."""
-  return lambda lr, config: optax.partition({
+  return lambda lr, config: optax.partition(
+    {
       "quantized": alias(lr, weight_decay=WEIGHT_DECAY),
       "float32": optax.adamw(lr, weight_decay=WEIGHT_DECAY),
-  }, vocabulary_in_float32)
+    },
+    vocabulary_in_float32,
+  )
 
 
 # Settings the convergence benchmark compares beside the entries above, kept out
 # of OPTIMIZERS (and so out of the main job's and fit's lists).
 VARIANTS: dict[str, OptimizerSpec] = {
-    "adamw_8bit_vocab_fp32": OptimizerSpec(
-        _vocabulary_in_float32(optax_memopt.adamw_8bit),
-        3e-3,
-        "8-bit AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
-    ),
-    "adamw_fp8_vocab_fp32": OptimizerSpec(
-        _vocabulary_in_float32(optax_memopt.adamw_fp8),
-        3e-3,
-        "fp8 AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
-    ),
-    "microadam_5pct": OptimizerSpec(
-        _with_kernels(optax_memopt.microadam, density=0.05),
-        3e-3,
-        "MicroAdam keeping the top 5% of each block (density=0.05) instead of 1%",
-        has_kernels=True,
-    ),
+  "adamw_8bit_vocab_fp32": OptimizerSpec(
+    _vocabulary_in_float32(optax_memopt.adamw_8bit),
+    3e-3,
+    "8-bit AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
+  ),
+  "adamw_fp8_vocab_fp32": OptimizerSpec(
+    _vocabulary_in_float32(optax_memopt.adamw_fp8),
+    3e-3,
+    "fp8 AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
+  ),
+  "microadam_5pct": OptimizerSpec(
+    _with_kernels(optax_memopt.microadam, density=0.05),
+    3e-3,
+    "MicroAdam keeping the top 5% of each block (density=0.05) instead of 1%",
+    has_kernels=True,
+  ),
 }
 
 

@@ -37,17 +37,17 @@ def summary(name: str, result: TrainResult, *, diverged_at_step: int | None = No
   adamw_state_bytes = state_nbytes(jax.eval_shape(optax.adamw(1e-3).init, result.params))
   diverged = diverged_at_step is not None
   return {
-      "optimizer": name,
-      "final_train_loss": None if diverged else final_train_loss(result),
-      "validation_loss": None if diverged else result.validation_loss,
-      "diverged_at_step": diverged_at_step,
-      "state_bytes": result.state_bytes,
-      "state_bytes_per_param": result.state_bytes / result.n_params,
-      "adamw_state_bytes": adamw_state_bytes,
-      "adamw_state_bytes_per_param": adamw_state_bytes / result.n_params,
-      "n_params": result.n_params,
-      "ms_per_step": 1e3 * result.seconds_per_step if math.isfinite(result.seconds_per_step) else None,
-      "train_losses": list(result.train_losses),
+    "optimizer": name,
+    "final_train_loss": None if diverged else final_train_loss(result),
+    "validation_loss": None if diverged else result.validation_loss,
+    "diverged_at_step": diverged_at_step,
+    "state_bytes": result.state_bytes,
+    "state_bytes_per_param": result.state_bytes / result.n_params,
+    "adamw_state_bytes": adamw_state_bytes,
+    "adamw_state_bytes_per_param": adamw_state_bytes / result.n_params,
+    "n_params": result.n_params,
+    "ms_per_step": 1e3 * result.seconds_per_step if math.isfinite(result.seconds_per_step) else None,
+    "train_losses": list(result.train_losses),
   }
 
 
@@ -55,8 +55,8 @@ def markdown_table(rows: Sequence[dict], baseline: str | None = "adamw") -> str:
   """One line per run: losses, the validation gap to ``baseline`` and state bytes per parameter."""
   base = next((r for r in rows if r["optimizer"] == baseline and r["validation_loss"] is not None), None)
   lines = [
-      "| optimizer | train loss | validation loss | gap to AdamW | state bytes/param | AdamW's state / this | ms/step |",
-      "|---|---|---|---|---|---|---|",
+    "| optimizer | train loss | validation loss | gap to AdamW | state bytes/param | AdamW's state / this | ms/step |",
+    "|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     if r["validation_loss"] is None:
@@ -65,8 +65,8 @@ def markdown_table(rows: Sequence[dict], baseline: str | None = "adamw") -> str:
       gap = f"{r['validation_loss'] - base['validation_loss']:+.3f}" if base else "n/a"
       losses = f"{r['final_train_loss']:.3f} | {r['validation_loss']:.3f} | {gap}"
     lines.append(
-        f"| {r['optimizer']} | {losses} | {r['state_bytes_per_param']:.3f}"
-        f" | {r['adamw_state_bytes'] / r['state_bytes']:.1f}x | {milliseconds(r['ms_per_step'])} |"
+      f"| {r['optimizer']} | {losses} | {r['state_bytes_per_param']:.3f}"
+      f" | {r['adamw_state_bytes'] / r['state_bytes']:.1f}x | {milliseconds(r['ms_per_step'])} |"
     )
   return "\n".join(lines)
 
@@ -101,15 +101,14 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_p
   import matplotlib.pyplot as plt
   import matplotlib.ticker
 
-  fig, (whole, zoom, bars) = plt.subplots(
-      1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.8]}
-  )
+  fig, (whole, zoom, bars) = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.8]})
   # tab10 for up to ten curves besides AdamW's, tab20 (pairs of shades) for more.
   colors = iter(plt.get_cmap("tab10" if len(rows) <= 11 else "tab20").colors)
   styles = {
-      r["optimizer"]: {"color": "black", "linestyle": "--", "linewidth": 2.0, "zorder": 10}
-      if r["optimizer"] == BASELINE else {"color": next(colors), "linewidth": 1.4}
-      for r in rows
+    r["optimizer"]: {"color": "black", "linestyle": "--", "linewidth": 2.0, "zorder": 10}
+    if r["optimizer"] == BASELINE
+    else {"color": next(colors), "linewidth": 1.4}
+    for r in rows
   }
   # A window of a fortieth of the run, at most 50 steps: smooth on long runs, raw on short ones.
   window = min(50, max(1, max(len(r["train_losses"]) for r in rows) // 40))
@@ -119,8 +118,11 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_p
       continue
     curve = smoothed(r["train_losses"], window=window)
     steps = (np.arange(len(curve)) + len(r["train_losses"]) - len(curve) + 1) * steps_per_point
-    label = r["optimizer"] if r["diverged_at_step"] is None else (
-        f"{r['optimizer']} (diverged at step {r['diverged_at_step']})")
+    label = (
+      r["optimizer"]
+      if r["diverged_at_step"] is None
+      else (f"{r['optimizer']} (diverged at step {r['diverged_at_step']})")
+    )
     for ax in (whole, zoom):
       ax.plot(steps, curve, label=label, **styles[r["optimizer"]])
     if r["diverged_at_step"] is None:
@@ -143,15 +145,20 @@ def plot_losses(path: pathlib.Path, rows: Sequence[dict], title: str, *, steps_p
   bar_rows = list(rows)
   if not any(r["optimizer"] == BASELINE for r in rows):
     reference = rows[0]
-    bar_rows.append({
-        "optimizer": BASELINE, "state_bytes_per_param": reference["adamw_state_bytes_per_param"],
-        "state_bytes": reference["adamw_state_bytes"], "adamw_state_bytes": reference["adamw_state_bytes"],
-    })
+    bar_rows.append(
+      {
+        "optimizer": BASELINE,
+        "state_bytes_per_param": reference["adamw_state_bytes_per_param"],
+        "state_bytes": reference["adamw_state_bytes"],
+        "adamw_state_bytes": reference["adamw_state_bytes"],
+      }
+    )
   names = [r["optimizer"] if r["optimizer"] in styles else f"{r['optimizer']} (not trained)" for r in bar_rows]
   values = [r["state_bytes_per_param"] for r in bar_rows]
   y = np.arange(len(bar_rows))[::-1]
-  bars.barh(y, values, color=[styles[r["optimizer"]]["color"] if r["optimizer"] in styles else "black"
-                              for r in bar_rows])
+  bars.barh(
+    y, values, color=[styles[r["optimizer"]]["color"] if r["optimizer"] in styles else "black" for r in bar_rows]
+  )
   for yi, r in zip(y, bar_rows):
     ratio = r["adamw_state_bytes"] / r["state_bytes"]
     note = "" if r["optimizer"] == BASELINE else f"  ({ratio:.1f}x less)"
