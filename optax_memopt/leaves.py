@@ -1,11 +1,13 @@
-"""Parameter trees as users see them: path names, and dtype checks at ``init``."""
+"""Parameter trees as users see them: path names, dtype checks at ``init``, per-leaf steps."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import xla_cpu
 
 
 def _key_name(key: Any) -> str:
@@ -58,6 +60,17 @@ def check_param_dtypes(
         f"{optimizer} supports {supported_text}; parameter {path_name(path)!r} is {jnp.dtype(dtype).name}."
         " Route it to another optimizer with optax.partition."
       )
+
+
+def map_steps(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any:
+  """``jax.tree.map(step, tree, *rest)`` for an optimizer's per-parameter step.
+
+  ``step`` returns ``(direction, *state)``; :func:`unzip` makes trees of
+  them. Values are those of ``jax.tree.map``; how the leaves are scheduled
+  is this helper's business: in a program lowered for the CPU one leaf's step
+  after another (``pallas_kernels.xla_cpu.tree_map`` says why and how).
+  """
+  return xla_cpu.tree_map(step, tree, *rest)
 
 
 def unzip(like: Any, per_leaf: Any, n: int) -> tuple[Any, ...]:

@@ -40,7 +40,6 @@ import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
 from pallas_kernels import lowbit_adamw_update as fused_step
-from pallas_kernels import xla_cpu
 
 _ALIASES = {"8bit": "adamw_8bit", "4bit": "adamw_4bit", "fp8": "adamw_fp8"}
 
@@ -186,25 +185,17 @@ def scale_by_lowbit_adam(
           state_format=state_format,
           block_size=block_size,
         )
-        return direction, *moments
+        return direction, moments
       mu, nu = fused_step.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
       direction = fused_step.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
-      return direction.astype(grad.dtype), mu, nu, mu_scales, nu_scales
+      return direction.astype(grad.dtype), fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales)
 
-    per_leaf = xla_cpu.tree_map(update_leaf, updates, *state[1:], waits_for=_moments_done)
-    directions, *moments = leaves.unzip(updates, per_leaf, 5)
-    return directions, ScaleByLowbitAdamState(count, *moments)
+    directions, moments = leaves.unzip(updates, leaves.map_steps(update_leaf, updates, *state[1:]), 2)
+    return directions, ScaleByLowbitAdamState(count, *leaves.unzip(updates, moments, 4))
 
   # Reshapes into blocks split sharded axes: under explicit mesh axes the
   # update runs with them left to the partitioner, typed like its inputs.
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
-
-
-def _moments_done(direction, mu, nu, mu_scales, nu_scales):
-  """What the next leaf waits for on XLA:CPU: the scales of quantized moments
-  (reductions over all the new moments; the codes are table reads), else the moments."""
-  del direction
-  return (mu, nu) if mu_scales is None else (mu_scales, nu_scales)
 
 
 def _alias(state_format: str, default_block_size: int):

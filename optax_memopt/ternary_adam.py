@@ -90,7 +90,7 @@ from optax_memopt.ternary_adam_state import (
   is_factored,
   is_ternary,
 )
-from pallas_kernels import ternary, xla_cpu
+from pallas_kernels import ternary
 from pallas_kernels.blocks import blocks_shape, to_blocks
 from pallas_kernels.ternary_adam_update import block_statistics, ternary_adam_update
 
@@ -315,7 +315,7 @@ def scale_by_ternary_adam(
       step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options)
       return step.direction, *step.momentum, mu, row, col, nu
 
-    per_leaf = xla_cpu.tree_map(
+    per_leaf = leaves.map_steps(
       update_leaf,
       updates,
       seeds,

@@ -94,6 +94,11 @@ class LowbitMoments(NamedTuple):
   mu_scales: jax.Array  # float32, (*blocks, 1).
   nu_scales: jax.Array  # float32, (*blocks, 1).
 
+  # What the next tensor's step waits for on XLA:CPU (``xla_cpu.tree_map``):
+  # the scales, computed from all the new moments. Not the codes: a wait on
+  # them gives their table read a second reader, and XLA writes it out.
+  awaited_fields = ("mu_scales", "nu_scales")
+
 
 def check_state_format(state_format: Any) -> StateFormat:
   """The ``StateFormat`` named ``state_format``, or a ``ValueError`` naming the argument."""

@@ -7,7 +7,8 @@ program lowered for a GPU carries none of them, whatever the process's
 default backend. Each aid is kept because it buys a measured share of an optimizer's CPU step
 (``docs/performance-notes.md``).
 
-:func:`tree_map`, one leaf after another. XLA:CPU schedules independent
+:func:`tree_map`, one leaf after another (optimizers reach it through
+``optax_memopt.leaves.map_steps``). XLA:CPU schedules independent
 work stage by stage (every leaf's first fusion, then every leaf's second,
 ...), so every leaf's temporaries (a decoded moment, a top-k's input, a
 re-encoded block) are live at once. For a compressed optimizer that is tens
@@ -166,27 +167,31 @@ def _wait(arrays: list[Any], token: jax.Array) -> list[Any]:
   return _on_xla_cpu(arrays, lambda arrays, token: [_after(x, token) for x in arrays], token)
 
 
-def _state(direction: Any, *state: Any) -> tuple[Any, ...]:
-  return state
+def _awaited(state: tuple[Any, ...]) -> list[Any]:
+  """What the next leaf waits for: a leaf's state, the results of its step after the direction.
+
+  The direction is left out, for XLA to fuse into its one consumer, the
+  parameters' update. A result that names ``awaited_fields`` (a NamedTuple
+  of an op's state) contributes only the arrays of those fields, or all its
+  arrays where those hold none: an op leaves out an array computed through
+  a table read, since the wait reads its first element, and XLA then writes
+  the table read out rather than compute it twice.
+  """
+  awaited = []
+  for result in state:
+    fields = getattr(result, "awaited_fields", ())
+    chosen = jax.tree.leaves([getattr(result, field) for field in fields])
+    awaited.append(chosen or result)
+  return awaited
 
 
-def tree_map(
-  step: Callable[..., tuple[Any, ...]],
-  tree: Any,
-  *rest: Any,
-  waits_for: Callable[..., Any] = _state,
-) -> Any:
+def tree_map(step: Callable[..., tuple[Any, ...]], tree: Any, *rest: Any) -> Any:
   """``jax.tree.map(step, tree, *rest)``; on XLA:CPU one leaf after another.
 
   Args:
-    step: one parameter's step, returning ``(direction, *state)``.
+    step: one parameter's step, returning ``(direction, *state)``; each leaf's
+      step waits for the previous leaf's state (:func:`_awaited`).
     tree: the gradients; ``rest`` trees with ``tree``'s structure as a prefix.
-    waits_for: called with a leaf's results, the arrays the next leaf waits
-      for; by default the state. The direction is left out, for XLA to fuse
-      into its one consumer, the parameters' update. An array computed
-      through a table read is better left out too: the wait reads its first
-      element, and XLA then writes the table read out rather than compute it
-      twice.
 
   Returns:
     A tree like ``tree`` of ``step``'s results.
@@ -196,7 +201,7 @@ def tree_map(
   results = []
   for args in zip(*columns):
     if results:
-      token = _zero_after(waits_for(*results[-1]))
+      token = _zero_after(_awaited(results[-1][1:]))
       flat, structure = jax.tree.flatten(args)
       numeric = [i for i, x in enumerate(flat) if _is_numeric_array(x)]
       for i, x in zip(numeric, _wait([flat[i] for i in numeric], token)):

@@ -1,11 +1,13 @@
 """The XLA:CPU scheduling aids: the same bits as the plain computation, and only in CPU programs."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend, xla_cpu
+from pallas_kernels import _backend, lowbit_adamw_update, xla_cpu
 
 
 def assert_same_bits(actual, expected, err_msg=""):
@@ -70,20 +72,46 @@ def test_waits_on_float8_state_are_integer_operations(seed):
     assert_same_bits(a, e)
 
 
-def test_waits_for_chooses_what_the_next_leaf_waits_for(seed):
+class Moments(NamedTuple):
+  """An op's state that names what the next leaf waits for."""
+
+  m: jax.Array
+  codes: jax.Array
+  scales: jax.Array | None
+
+  awaited_fields = ("scales",)
+
+
+@pytest.mark.parametrize("with_scales", [True, False])
+def test_a_state_naming_awaited_fields_is_waited_for_by_those_fields(monkeypatch, seed, with_scales):
   g, m = trees(seed)
-  waited = []
+  returned, waited = [], []
+  zero_after = xla_cpu._zero_after
+  monkeypatch.setattr(
+    xla_cpu, "_zero_after", lambda values: waited.append(jax.tree.leaves(values)) or zero_after(values)
+  )
 
-  def codes_only(direction, m, positive, low_precision):
-    waited.append(positive)
-    return positive
+  def moments_step(g, m):
+    direction, m, codes, _ = step(g, m)
+    moments = Moments(m, codes, jnp.sum(jnp.abs(m), keepdims=True) if with_scales else None)
+    returned.append(moments)
+    return direction, moments
 
-  expected = jax.jit(lambda g, m: jax.tree.map(step, g, m))(g, m)
-  actual = jax.jit(lambda g, m: xla_cpu.tree_map(step, g, m, waits_for=codes_only))(g, m)
+  expected = jax.jit(lambda g, m: jax.tree.map(moments_step, g, m))(g, m)
+  returned.clear()
+  actual = jax.jit(lambda g, m: xla_cpu.tree_map(moments_step, g, m))(g, m)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     assert_same_bits(a, e)
-  # Called between leaves (traced for every platform, read by the CPU program only).
+  # Between leaves, the previous leaf's scales; its arrays where it has none.
   assert len(waited) == len(jax.tree.leaves(g)) - 1
+  for values, moments in zip(waited, returned):
+    expected_values = [moments.scales] if with_scales else [moments.m, moments.codes]
+    assert len(values) == len(expected_values) and all(v is e for v, e in zip(values, expected_values))
+
+
+def test_lowbit_adamws_next_leaf_waits_for_the_scales_not_the_codes():
+  moments = lowbit_adamw_update.zero_moments((4, 256), state_format="8bit", block_size=256)
+  assert xla_cpu._awaited((moments,)) == [[moments.mu_scales, moments.nu_scales]]
 
 
 def test_written_out_is_the_value_and_only_in_cpu_programs(seed):
