@@ -15,6 +15,8 @@ state with :func:`rename_restored`:
 Renamed so far (release 0.1.0's name -> today's):
 
 * ``ScaleByTacoState``: ``index`` -> ``indices``, ``scale`` -> ``scales``.
+* ``ScaleByLowbitAdamState``: ``mu`` -> ``mu_or_paired`` (in 4-bit it holds
+  both moments' codes).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from typing import Any
 
 import jax
 
+from optax_memopt.lowbit_adamw import ScaleByLowbitAdamState
 from optax_memopt.taco import ScaleByTacoState
 
 # Per state class: {today's field name: the name checkpoints saved it under}.
 SAVED_NAMES: dict[type, dict[str, str]] = {
   ScaleByTacoState: {"indices": "index", "scales": "scale"},
+  ScaleByLowbitAdamState: {"mu_or_paired": "mu"},
 }
 
 

@@ -12,6 +12,7 @@ plain Python values; traced ones raise an error that says to list them in
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 from pallas_kernels.static_args import check_fraction, check_int, check_static
@@ -23,6 +24,7 @@ __all__ = [
   "check_learning_rate",
   "check_non_negative",
   "check_static",
+  "renamed_keyword",
 ]
 
 
@@ -46,3 +48,18 @@ def check_learning_rate(learning_rate: Any) -> None:
   """A constant learning rate must be ``>= 0``; the alias negates the step itself."""
   if not callable(learning_rate):
     check_non_negative("learning_rate", learning_rate)
+
+
+def renamed_keyword(old_name: str, old_value: Any, new_name: str, new_value: Any, default: Any) -> Any:
+  """The value of a keyword argument renamed from ``old_name`` to ``new_name``.
+
+  ``new_value``, unless the caller passed ``old_name`` (``old_value`` is not
+  None): then ``old_value``, with a ``DeprecationWarning`` that names
+  ``new_name``. Both passed is a ``ValueError``.
+  """
+  if old_value is None:
+    return new_value
+  if not (_is_number(new_value) and new_value == default):
+    raise ValueError(f"{old_name} is the old name of {new_name}; pass {new_name} only.")
+  warnings.warn(f"{old_name} is deprecated; pass {new_name}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
+  return old_value

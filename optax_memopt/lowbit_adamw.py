@@ -32,7 +32,7 @@ direction from the unrounded moments and stores them again, in one pass
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +55,13 @@ class ScaleByLowbitAdamState(NamedTuple):
   """
 
   count: jax.Array  # shape=(), dtype=jnp.int32; steps taken.
-  # The param's shape: m's codes, uint8 (8bit; 4bit: m's code in the low
-  # nibble, v's in the high nibble) or float8_e4m3fn (fp8); float32 m when small.
-  mu: optax.Updates
+  # The param's shape: m's codes, uint8 (8bit) or float8_e4m3fn (fp8); in
+  # 4bit both moments' codes paired in one uint8 (m's in the low nibble, v's in
+  # the high nibble); float32 m when small. Release 0.1.0 named it mu
+  # (optax_memopt.checkpoint restores its checkpoints).
+  mu_or_paired: optax.Updates
   # The param's shape: v's codes, uint8 (8bit) or float8_e4m3fn (fp8); None
-  # for 4bit (in mu); float32 v when small.
+  # for 4bit (in mu_or_paired); float32 v when small.
   nu: optax.Updates
   # float32, (*param.shape[:-1], param.shape[-1] // block_size, 1) when blocks
   # tile the last axis, else (n, 1); None when small.
@@ -68,7 +70,7 @@ class ScaleByLowbitAdamState(NamedTuple):
 
   field_layouts = {
     "count": sharding.Layout.REPLICATED,
-    "mu": sharding.Layout.PARAM,
+    "mu_or_paired": sharding.Layout.PARAM,
     "nu": sharding.Layout.PARAM,
     "mu_scales": sharding.Layout.BLOCK_SCALES,
     "nu_scales": sharding.Layout.BLOCK_SCALES,
@@ -136,7 +138,7 @@ def scale_by_lowbit_adam(
     >>> opt = optax_memopt.scale_by_lowbit_adam(state_format="4bit")
     >>> params = {"w": jnp.zeros((64, 128)), "b": jnp.zeros((128,))}
     >>> state = opt.init(params)
-    >>> state.mu["w"].dtype, state.mu_scales["w"].shape, state.mu["b"].dtype
+    >>> state.mu_or_paired["w"].dtype, state.mu_scales["w"].shape, state.mu_or_paired["b"].dtype
     (dtype('uint8'), (64, 1, 1), dtype('float32'))
     >>> updates, state = opt.update({"w": jnp.ones((64, 128)), "b": jnp.ones((128,))}, state)
     >>> bool(jnp.allclose(updates["w"], 1.0, atol=1e-4))  # Adam's first step: sign(g).
@@ -207,7 +209,7 @@ def _alias(state_format: str, default_block_size: int):
     b2: jax.typing.ArrayLike = 0.999,
     eps: jax.typing.ArrayLike = 1e-8,
     weight_decay: jax.typing.ArrayLike = 0.0,
-    mask: Any = None,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
     *,
     block_size: int = default_block_size,
     min_quantized_size: int = 4096,

@@ -24,7 +24,7 @@ built from pieces the low-precision optimizer literature supports.
   rebuilt as ``outer(row, col) / mean(row)``. Tensors of rank < 2 (biases,
   norm scales) keep a full-precision ``nu``: they are a vanishing share of a
   model's parameters.
-* **Small tensors stay exact.** Tensors of fewer than ``min_size`` elements
+* **Small tensors stay exact.** Tensors of fewer than ``min_quantized_size`` elements
   (4096, the threshold of bitsandbytes and torchao) keep float32 ``m`` and
   ``nu``: per-block scales would cost as much as the codes they save.
 * **A low default** ``b1 = 0.5``. Stochastic rounding adds zero-mean noise of
@@ -44,7 +44,7 @@ built from pieces the low-precision optimizer literature supports.
   ``(..., n // block_size, bytes)``, so the moment shards along the same
   axes as its parameter (``optax_memopt.state_shardings``).
 
-State per tensor of ``d >= min_size`` elements, in ``b = ceil(d / block_size)``
+State per tensor of ``d >= min_quantized_size`` elements, in ``b = ceil(d / block_size)``
 blocks: ``b ceil(block_size / 5)`` bytes of trits (base 3), ``4 b`` bytes of
 scales and, for a ``(r, c)`` matrix, ``4 (r + c)`` bytes of factored ``nu``:
 about 0.26 bytes per parameter on a Transformer of 10M parameters, against 8
@@ -74,7 +74,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -108,13 +108,13 @@ __all__ = [
 _FACTORED_EPS = 1e-30
 
 
-def _check_hyperparameters(b1, b2, eps, block_size, min_size, packing) -> None:
+def _check_hyperparameters(b1, b2, eps, block_size, min_quantized_size, packing) -> None:
   """Eager checks; floats only when they are Python numbers (they may be traced)."""
   hyperparameters.check_decay_rate("b1", b1)
   hyperparameters.check_decay_rate("b2", b2)
   hyperparameters.check_non_negative("eps", eps)
   ternary.check_block_size(block_size)
-  hyperparameters.check_int("min_size", min_size, 0)
+  hyperparameters.check_int("min_quantized_size", min_quantized_size, 0)
   hyperparameters.check_static("packing", packing)
   ternary.packing_layout(packing)
 
@@ -137,7 +137,7 @@ def _typed_key(key: int | jax.Array) -> jax.Array:
 
 
 def _check_real(leaf: jax.Array) -> None:
-  # The fp32 path below min_size would otherwise drop an imaginary part
+  # The fp32 path below min_quantized_size would otherwise drop an imaginary part
   # without a word, and trits have no complex phase.
   if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
     raise ValueError(
@@ -180,13 +180,14 @@ def scale_by_ternary_adam(
   eps: jax.typing.ArrayLike = 1e-8,
   *,
   block_size: int = 128,
-  min_size: int = 4096,
+  min_quantized_size: int = 4096,
   packing: str = "base3",
   key: int | jax.Array = 0,
+  min_size: int | None = None,
 ) -> optax.GradientTransformation:
   """Rescales updates like Adam, with a ternary first moment and factored second.
 
-  For a tensor of at least ``min_size`` elements, at step ``k`` with
+  For a tensor of at least ``min_quantized_size`` elements, at step ``k`` with
   gradient ``g``:
 
   .. math::
@@ -203,7 +204,7 @@ def scale_by_ternary_adam(
   with ``s = beta_1 s_prev + (1 - beta_1) max |g_k|`` over each block of
   ``block_size`` elements (a bound on ``|m_k|`` there) and ``round_xi``
   stochastic rounding. Tensors of rank < 2 update ``nu``
-  elementwise, and tensors below ``min_size`` elements run plain Adam in
+  elementwise, and tensors below ``min_quantized_size`` elements run plain Adam in
   float32. The design and its defaults are explained in the module
   docstring; the state's trees in ``optax_memopt.ternary_adam_state``.
 
@@ -215,8 +216,8 @@ def scale_by_ternary_adam(
     block_size: elements per scale block of the ternary moment: 32, 64 or a
       multiple of 128 (what the kernels' 128-element slices allow). 128, as
       in 4-bit AdamW: about 0.23 bytes of trits and scale per element.
-    min_size: tensors with fewer elements keep float32 ``m`` and ``nu``;
-      4096, the threshold of bitsandbytes and torchao.
+    min_quantized_size: tensors with fewer elements keep float32 ``m`` and
+      ``nu``; 4096, the threshold of bitsandbytes and torchao.
     packing: ``"base3"`` (5 trits per byte, the default: the fewest bytes) or
       ``"2bit"`` (4 per byte, cheaper to unpack).
     key: an int seed or a JAX PRNG key for the stochastic rounding, kept in
@@ -224,11 +225,13 @@ def scale_by_ternary_adam(
       ``jax.random.bits(step_key, (n,), uint32)`` gives the rounding seeds of
       the ``n`` parameters in ``jax.tree.leaves`` order
       (``pallas_kernels.ternary.counter_hash_bits``).
+    min_size: the old name of ``min_quantized_size`` (deprecated: a
+      ``DeprecationWarning``).
 
   Returns:
     An ``optax.GradientTransformation``.
 
-  ``block_size``, ``min_size`` and ``packing`` fix the state's shapes: with
+  ``block_size``, ``min_quantized_size`` and ``packing`` fix the state's shapes: with
   ``optax.inject_hyperparams``, list them in ``static_args``.
 
   Raises:
@@ -254,7 +257,10 @@ def scale_by_ternary_adam(
     Stern, 2018 (https://arxiv.org/abs/1804.04235); Xu et al., 2025
     (https://arxiv.org/abs/2505.00347).
   """
-  _check_hyperparameters(b1, b2, eps, block_size, min_size, packing)
+  min_quantized_size = hyperparameters.renamed_keyword(
+    "min_size", min_size, "min_quantized_size", min_quantized_size, 4096
+  )
+  _check_hyperparameters(b1, b2, eps, block_size, min_quantized_size, packing)
   initial_key = _typed_key(key)
   key_impl = jax.random.key_impl(initial_key)
 
@@ -264,7 +270,7 @@ def scale_by_ternary_adam(
       params,
       jax.random.key_data(initial_key),
       block_size=block_size,
-      min_size=min_size,
+      min_size=min_quantized_size,
       packing=packing,
     )
 
@@ -286,7 +292,7 @@ def scale_by_ternary_adam(
 
     def update_leaf(grad, seed, packed, scales, mu, row, col, nu):
       _check_real(grad)
-      if not is_ternary(grad, min_size):
+      if not is_ternary(grad, min_quantized_size):
         # Plain Adam in float32.
         g = grad.astype(jnp.float32)
         mu = b1_ * mu + (1 - b1_) * g
@@ -303,7 +309,7 @@ def scale_by_ternary_adam(
         block_size=block_size,
         packing=packing,
       )
-      if not is_factored(grad, min_size):
+      if not is_factored(grad, min_quantized_size):
         step = ternary_adam_update(grad, momentum, nu, **options)
         return step.direction, *step.momentum, mu, row, col, step.nu
       # Adafactor's statistics of g**2 + eps over the last two axes; the
@@ -348,12 +354,13 @@ def ternary_adam(
   b2: jax.typing.ArrayLike = 0.999,
   eps: jax.typing.ArrayLike = 1e-8,
   weight_decay: jax.typing.ArrayLike = 0.0,
-  mask: Any = None,
+  mask: Any | Callable[[optax.Params], Any] | None = None,
   *,
   block_size: int = 128,
-  min_size: int = 4096,
+  min_quantized_size: int = 4096,
   packing: str = "base3",
   key: int | jax.Array = 0,
+  min_size: int | None = None,
 ) -> optax.GradientTransformation:
   """Ternary-state AdamW: ``scale_by_ternary_adam``, decoupled weight decay, learning rate.
 
@@ -371,9 +378,10 @@ def ternary_adam(
     weight_decay: decoupled weight decay ``lambda``.
     mask: which params get weight decay, as in ``optax.adamw``.
     block_size: elements per scale block: 32, 64 or a multiple of 128.
-    min_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
+    min_quantized_size: tensors with fewer elements keep float32 ``m`` and ``nu``.
     packing: ``"base3"`` (5 trits per byte) or ``"2bit"`` (4 per byte).
     key: an int seed or a JAX PRNG key for the stochastic rounding.
+    min_size: the old name of ``min_quantized_size`` (deprecated).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -397,13 +405,16 @@ def ternary_adam(
   """
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
+  min_quantized_size = hyperparameters.renamed_keyword(
+    "min_size", min_size, "min_quantized_size", min_quantized_size, 4096
+  )
   return optax.chain(
     scale_by_ternary_adam(
       b1=b1,
       b2=b2,
       eps=eps,
       block_size=block_size,
-      min_size=min_size,
+      min_quantized_size=min_quantized_size,
       packing=packing,
       key=key,
     ),

@@ -53,13 +53,13 @@ CASES: dict[str, OptimizerCase] = {
     dict(learning_rate=1e-2, k=4, weight_decay=1e-4),
     static_args=("k",),
   ),
-  # min_size=32 makes the kernel and the embedding ternary with factored nu
+  # min_quantized_size=32 makes the kernel and the embedding ternary with factored nu
   # and the bias ternary with full nu; the norm scale stays float32. Blocks
   # of 32 cut them into 30, 38 (with a tail) and 2 blocks.
   "ternary_adam": OptimizerCase(
     optax_memopt.ternary_adam,
-    dict(learning_rate=1e-2, weight_decay=1e-4, block_size=32, min_size=32),
-    static_args=("block_size", "min_size", "key"),
+    dict(learning_rate=1e-2, weight_decay=1e-4, block_size=32, min_quantized_size=32),
+    static_args=("block_size", "min_quantized_size", "key"),
   ),
   # min_quantized_size=32 quantizes the kernel, the embedding and the bias;
   # the norm scale keeps float32 moments. Blocks of 16 do not divide the
@@ -113,16 +113,16 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
   # their (blocks, 1) scales, both split over the whole mesh.
   "ternary_adam_blocks_across_rows": OptimizerCase(
     optax_memopt.ternary_adam,
-    dict(learning_rate=1e-2, block_size=64, min_size=32),
-    static_args=("block_size", "min_size", "key"),
+    dict(learning_rate=1e-2, block_size=64, min_quantized_size=32),
+    static_args=("block_size", "min_quantized_size", "key"),
   ),
   # Inside optax.MultiSteps, whose gradient buffer has the parameters'
   # shapes: ternary Adam's three blocks of a 96-wide row still split their
   # rows over both mesh axes (the buffer is not a field of its state).
   "ternary_adam_in_multisteps": OptimizerCase(
     _ternary_adam_every_two_steps,
-    dict(learning_rate=1e-2, block_size=32, min_size=32),
-    static_args=("block_size", "min_size", "key"),
+    dict(learning_rate=1e-2, block_size=32, min_quantized_size=32),
+    static_args=("block_size", "min_quantized_size", "key"),
   ),
   # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
   # which do not split over 8 devices.

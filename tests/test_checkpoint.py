@@ -99,13 +99,11 @@ def test_resumed_run_equals_uninterrupted_run(name, dtype, seed, tmp_path):
   chex.assert_trees_all_equal(resumed_state, expected_state)
 
 
-SAVED_BY_0_1_0 = pathlib.Path(__file__).parent / "data" / "checkpoints" / "taco_0.1.0"
+SAVED_BY_0_1_0 = pathlib.Path(__file__).parent / "data" / "checkpoints"
 
 
-def taco_three_steps():
-  """The run whose state release 0.1.0 saved into ``SAVED_BY_0_1_0`` (TACO's fields then: index, scale)."""
-  params = {"w": jax.random.normal(jax.random.key(0), (16, 24)), "b": jnp.zeros((24,))}
-  optimizer = optax_memopt.taco(1e-2, k=4)
+def three_steps(optimizer, params):
+  """Three steps of ``optimizer`` from ``params`` on seeded random gradients."""
   state = optimizer.init(params)
   for step in range(3):
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(step + 1), p.shape), params)
@@ -114,13 +112,27 @@ def taco_three_steps():
   return params, state
 
 
-def test_a_checkpoint_saved_before_a_field_was_renamed_restores():
-  assert SAVED_BY_0_1_0.exists(), f"checkpoint missing: {SAVED_BY_0_1_0}"
-  params, state = taco_three_steps()
+def taco_three_steps():
+  """The run whose state release 0.1.0 saved into ``taco_0.1.0`` (TACO's fields then: index, scale)."""
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 24)), "b": jnp.zeros((24,))}
+  return three_steps(optax_memopt.taco(1e-2, k=4), params)
+
+
+def adamw_4bit_three_steps():
+  """The run whose state release 0.1.0 saved into ``adamw_4bit_0.1.0`` (low-bit AdamW's mu_or_paired then: mu)."""
+  params = {"w": jax.random.normal(jax.random.key(0), (32, 256)), "b": jnp.zeros((24,))}
+  return three_steps(optax_memopt.adamw_4bit(1e-2, weight_decay=1e-4), params)
+
+
+@pytest.mark.parametrize("saved, run", [("taco_0.1.0", taco_three_steps), ("adamw_4bit_0.1.0", adamw_4bit_three_steps)])
+def test_a_checkpoint_saved_before_a_field_was_renamed_restores(saved, run):
+  directory = SAVED_BY_0_1_0 / saved
+  assert directory.exists(), f"checkpoint missing: {directory}"
+  params, state = run()
   target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
   with pytest.raises(ValueError, match="not found"):
-    ocp.StandardCheckpointer().restore(SAVED_BY_0_1_0, target)
-  saved = ocp.StandardCheckpointer().restore(SAVED_BY_0_1_0, checkpoint.target_with_saved_names(target))
+    ocp.StandardCheckpointer().restore(directory, target)
+  saved = ocp.StandardCheckpointer().restore(directory, checkpoint.target_with_saved_names(target))
   restored = checkpoint.rename_restored(saved, target)
   assert jax.tree.structure(restored) == jax.tree.structure(target)
   assert bitwise(restored) == bitwise({"params": params, "opt_state": state})

@@ -142,7 +142,7 @@ INVALID_VALUES = {
   "block_size": [0],
   "bucket_size": [0],
   "k": [-1],
-  "min_size": [-1],
+  "min_quantized_size": [-1],
   "n_heads": [0],
   "n_kv_heads": [0],
   "rules": ["no_such_rules"],

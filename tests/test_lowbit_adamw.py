@@ -119,7 +119,7 @@ def decoded_moments(kind, state, name, block_size):
   from pallas_kernels import map_codes
 
   state_format = fused_step.STATE_FORMATS[kind.split("_")[1]]
-  mu, nu = state.mu[name], state.nu[name]
+  mu, nu = state.mu_or_paired[name], state.nu[name]
   if mu.dtype == jnp.float32:
     return np.asarray(mu), np.asarray(nu)
   if kind == "adamw_4bit":
@@ -234,7 +234,7 @@ def test_scalars_and_tiny_tensors_quantize_when_no_threshold(kind, seed):
   grads = [{k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()} for _ in range(3)]
   optimizer = ALIASES[kind](1e-2, block_size=64, min_quantized_size=0)
   state = optimizer.init(params)
-  assert all(state[0].mu[k].dtype != jnp.float32 for k in shapes)
+  assert all(state[0].mu_or_paired[k].dtype != jnp.float32 for k in shapes)
   expected = numpy_adamw(
     kind,
     {k: np.asarray(v) for k, v in params.items()},
@@ -272,18 +272,18 @@ def test_scalars_and_tiny_tensors_quantize_when_no_threshold(kind, seed):
 def test_state_layout_and_bytes(kind, codes_dtype, scales_shape, bytes_per_param):
   params = {"w": jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16), "b": jax.ShapeDtypeStruct((4096,), jnp.float32)}
   state = jax.eval_shape(ALIASES[kind](1e-3).init, params)[0]
-  assert state.mu["w"].shape == (1024, 4096) and state.mu["w"].dtype == codes_dtype
+  assert state.mu_or_paired["w"].shape == (1024, 4096) and state.mu_or_paired["w"].dtype == codes_dtype
   assert state.mu_scales["w"].shape == scales_shape == state.nu_scales["w"].shape
   if kind == "adamw_4bit":
     assert state.nu["w"] is None
   else:
     assert state.nu["w"].shape == (1024, 4096) and state.nu["w"].dtype == codes_dtype
   # 4096 elements: quantized (4096 is the threshold).
-  assert state.mu["b"].dtype == codes_dtype
+  assert state.mu_or_paired["b"].dtype == codes_dtype
   per_param = (state_nbytes(state) - 4) / (1024 * 4096 + 4096)
   assert per_param == pytest.approx(bytes_per_param, rel=1e-9)
   small = jax.eval_shape(ALIASES[kind](1e-3).init, {"b": jax.ShapeDtypeStruct((4095,), jnp.float32)})[0]
-  assert small.mu["b"].dtype == jnp.float32 and small.nu["b"].shape == (4095,)
+  assert small.mu_or_paired["b"].dtype == jnp.float32 and small.nu["b"].shape == (4095,)
   assert small.mu_scales["b"] is None and small.nu_scales["b"] is None
 
 
@@ -365,7 +365,7 @@ def test_nnx_optimizer_under_nnx_jit(kind):
   y = jnp.ones((8, 4))
   losses = [float(step(model, optimizer, x, y)) for _ in range(5)]
   assert losses[-1] < losses[0], losses
-  mu = optimizer.opt_state[0].mu
+  mu = optimizer.opt_state[0].mu_or_paired
   assert mu["a"]["kernel"][...].dtype != jnp.float32 and mu["a"]["bias"][...].dtype == jnp.float32
 
 

@@ -11,6 +11,7 @@ failure message.
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def _params(seed: int) -> dict[str, jax.Array]:
     "vector": jax.random.normal(keys[1], (700,)),  # 11 blocks, the last partial.
     # Factored per (20, 16) matrix; rows shorter than a block: 15 flat blocks.
     "stack": jax.random.normal(keys[2], (3, 20, 16)),
-    "small": jax.random.normal(keys[3], (10, 20)),  # Below min_size: float32 Adam.
+    "small": jax.random.normal(keys[3], (10, 20)),  # Below min_quantized_size: float32 Adam.
   }
 
 
@@ -72,7 +73,9 @@ def _layout_of(state) -> dict:
 @pytest.mark.parametrize("packing, trits_per_byte", [("base3", 5), ("2bit", 4)])
 def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_per_byte, seed):
   params = _params(seed)
-  opt = optax_memopt.scale_by_ternary_adam(block_size=BLOCK_SIZE, min_size=MIN_SIZE, packing=packing, key=seed)
+  opt = optax_memopt.scale_by_ternary_adam(
+    block_size=BLOCK_SIZE, min_quantized_size=MIN_SIZE, packing=packing, key=seed
+  )
   state = opt.init(params)
   # Block-major: the matrix's rows are one block each; the others are flat blocks.
   blocks = {"matrix": (30, 1), "vector": (11,), "stack": (15,)}
@@ -109,7 +112,9 @@ def test_first_step_is_adam_with_adafactor_second_moment(seed):
   params = _params(seed)
   grads = _grads(seed + 1, params)
   b2, eps = 0.99, 1e-8
-  opt = optax_memopt.scale_by_ternary_adam(b1=0.5, b2=b2, eps=eps, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed)
+  opt = optax_memopt.scale_by_ternary_adam(
+    b1=0.5, b2=b2, eps=eps, block_size=BLOCK_SIZE, min_quantized_size=MIN_SIZE, key=seed
+  )
   updates, _ = opt.update(grads, opt.init(params))
 
   def factored_nu(g):
@@ -131,7 +136,7 @@ def test_first_step_is_adam_with_adafactor_second_moment(seed):
 
 def test_small_tensors_follow_optax_adam(seed):
   params = {"w": jnp.zeros((10, 20))}
-  opt = optax_memopt.scale_by_ternary_adam(b1=0.7, b2=0.95, min_size=MIN_SIZE)
+  opt = optax_memopt.scale_by_ternary_adam(b1=0.7, b2=0.95, min_quantized_size=MIN_SIZE)
   reference = optax.scale_by_adam(b1=0.7, b2=0.95)
   state, reference_state = opt.init(params), reference.init(params)
   for i in range(4):
@@ -167,7 +172,7 @@ def test_stored_first_moment_is_an_unbiased_estimate(seed):
   """
   b1, keys = 0.5, 512
   params = {"w": jnp.zeros((30, 64)), "v": jnp.zeros((700,))}
-  opt = optax_memopt.scale_by_ternary_adam(b1=b1, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=seed)
+  opt = optax_memopt.scale_by_ternary_adam(b1=b1, block_size=BLOCK_SIZE, min_quantized_size=MIN_SIZE, key=seed)
   # A first step puts a non-trivial ternary moment in the state.
   state = opt.update(_grads(seed, params), opt.init(params))[1]
   grads = _grads(seed + 1, params)
@@ -207,7 +212,7 @@ def test_runs_replay_exactly_from_the_same_key(seed):
   params = _params(seed)
 
   def run(key):
-    opt = optax_memopt.ternary_adam(1e-2, block_size=BLOCK_SIZE, min_size=MIN_SIZE, key=key)
+    opt = optax_memopt.ternary_adam(1e-2, block_size=BLOCK_SIZE, min_quantized_size=MIN_SIZE, key=key)
     state, p = opt.init(params), params
     step = jax.jit(opt.update)
     for i in range(4):
@@ -243,12 +248,12 @@ def test_trains_the_transformer_about_as_well_as_adamw(seed):
   assert our_loss < adamw_loss + 0.1, f"seed={seed}: {our_loss} vs AdamW {adamw_loss}"
 
 
-def _expected_state_bytes(shapes, *, block_size: int, min_size: int) -> int:
+def _expected_state_bytes(shapes, *, block_size: int, min_quantized_size: int) -> int:
   """The documented layout: per block, its trits at 5 per byte and a float32 scale; nu statistics."""
   total = 4 + 8  # count, and the threefry key's two uint32 words.
   for shape in shapes:
     size = math.prod(shape)
-    if size < min_size:
+    if size < min_quantized_size:
       total += 8 * size
       continue
     total += math.ceil(size / block_size) * (math.ceil(block_size / 5) + 4)
@@ -268,7 +273,7 @@ def test_state_is_under_0_35_bytes_per_parameter_on_a_10m_transformer():
   assert 9e6 < n_params < 11e6
   state = jax.eval_shape(optax_memopt.ternary_adam(1e-3).init, params)
   nbytes = optax_memopt.state_nbytes(state)
-  assert nbytes == _expected_state_bytes(shapes, block_size=128, min_size=4096)
+  assert nbytes == _expected_state_bytes(shapes, block_size=128, min_quantized_size=4096)
   assert nbytes / n_params < 0.35
 
 
@@ -281,7 +286,7 @@ specs = {"matrix": P("fsdp", "tp"), "flat_blocks": P("fsdp", None), "vector": P(
 shapes = {"matrix": (64, 256), "flat_blocks": (100, 30), "vector": (512,)}
 with jax.set_mesh(mesh):
   params = {k: jax.device_put(jnp.ones(shapes[k]), NamedSharding(mesh, specs[k])) for k in shapes}
-  opt = optax_memopt.ternary_adam(1e-2, block_size=32, min_size=32)
+  opt = optax_memopt.ternary_adam(1e-2, block_size=32, min_quantized_size=32)
   state = jax.jit(opt.init)(params)
   updates, new_state = jax.jit(lambda p, s: opt.update(p, s, p))(params, state)
   specs_of = lambda tree: [jax.typeof(x).sharding.spec for x in jax.tree.leaves(tree)]
@@ -318,8 +323,8 @@ def test_update_traces_under_a_mesh_of_explicit_axes():
     (dict(eps=-1.0), "eps"),
     (dict(block_size=100), "block_size"),
     (dict(block_size=128.0), "block_size"),
-    (dict(min_size=-1), "min_size"),
-    (dict(min_size=jnp.array(4096)), "min_size"),
+    (dict(min_quantized_size=-1), "min_quantized_size"),
+    (dict(min_quantized_size=jnp.array(4096)), "min_quantized_size"),
     (dict(packing="base4"), "packing"),
     (dict(key="seed"), "key"),
     (dict(key=jnp.zeros((3,), jnp.uint32)), "key"),
@@ -342,13 +347,13 @@ class _NumpyTernaryAdam:
   ``outer(R, C) / mean(R)`` over the last two axes for matrices.
   """
 
-  def __init__(self, params, *, b1, b2, eps, block_size, min_size):
-    self.b1, self.b2, self.eps, self.block_size, self.min_size = b1, b2, eps, block_size, min_size
+  def __init__(self, params, *, b1, b2, eps, block_size, min_quantized_size):
+    self.b1, self.b2, self.eps, self.block_size, self.min_quantized_size = b1, b2, eps, block_size, min_quantized_size
     self.count = 0
     self.state = {}
     for name, p in params.items():
       shape, size = p.shape, p.size
-      if size < min_size:
+      if size < min_quantized_size:
         self.state[name] = dict(m=np.zeros(shape), nu=np.zeros(shape))
         continue
       n_blocks = -(-size // block_size)
@@ -412,14 +417,14 @@ def test_several_steps_and_a_resume_follow_the_numpy_reimplementation(seed):
   key, and ``jax.random.bits(step_key, (leaves,), uint32)`` gives one per
   leaf in ``jax.tree.leaves`` order.
   """
-  block_size, min_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
+  block_size, min_quantized_size, b1, b2, eps = 32, 64, 0.5, 0.75, 1e-8
   params = {
     "matrix": np.zeros((24, 64), np.float32),  # Block-major rows, factored nu.
     "small": np.zeros((5, 6), np.float32),  # Plain Adam.
     "stack": np.zeros((2, 12, 40), np.float32),  # Flat blocks, factored per matrix.
     "vector": np.zeros((200,), np.float32),  # A partial last block, elementwise nu.
   }
-  options = dict(b1=b1, b2=b2, eps=eps, block_size=block_size, min_size=min_size)
+  options = dict(b1=b1, b2=b2, eps=eps, block_size=block_size, min_quantized_size=min_quantized_size)
   make = lambda: optax_memopt.scale_by_ternary_adam(**options, key=seed)
   opt = make()
   state = opt.init(params)
@@ -466,7 +471,9 @@ class _Model(nnx.Module):
 def test_trains_under_nnx_jit_with_nnx_optimizer(seed):
   """``nnx.Optimizer`` and an ``nnx.jit`` step: NNX rebuilds the state's trees on every call."""
   model = _Model(nnx.Rngs(seed))
-  optimizer = nnx.Optimizer(model, optax_memopt.ternary_adam(1e-2, min_size=32, block_size=32, key=seed), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+    model, optax_memopt.ternary_adam(1e-2, min_quantized_size=32, block_size=32, key=seed), wrt=nnx.Param
+  )
 
   @nnx.jit
   def train_step(model, optimizer, x, y):
@@ -494,3 +501,16 @@ def test_on_an_h100_each_tensors_codes_are_written_by_its_direction_pass():
   params = {f"w{i}": jax.ShapeDtypeStruct((512, 1024), jnp.float32) for i in range(16)}
   program = gpu_compile.compile_step(optax_memopt.ternary_adam(1e-3), params)
   assert program.moved_bytes / program.n_params < 0.8 * 28
+
+
+@pytest.mark.parametrize(
+  "factory", [optax_memopt.scale_by_ternary_adam, functools.partial(optax_memopt.ternary_adam, 1e-3)]
+)
+def test_min_size_is_the_deprecated_name_of_min_quantized_size(factory):
+  params = {"w": jnp.zeros((8, 8))}  # 64 elements: ternary at a threshold of 32, float32 at 4096.
+  shapes = lambda optimizer: jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(optimizer.init, params))
+  with pytest.warns(DeprecationWarning, match="min_quantized_size=32"):
+    old = factory(min_size=32)
+  assert shapes(old) == shapes(factory(min_quantized_size=32)) != shapes(factory())
+  with pytest.raises(ValueError, match="pass min_quantized_size only"):
+    factory(min_size=32, min_quantized_size=64)
