@@ -270,7 +270,7 @@ def scale_by_ternary_adam(
       params,
       jax.random.key_data(initial_key),
       block_size=block_size,
-      min_size=min_quantized_size,
+      min_quantized_size=min_quantized_size,
       packing=packing,
     )
 

@@ -2,14 +2,14 @@
 
 Each parameter falls in one of three kinds, by its size and rank:
 
-* **small** (fewer than ``min_size`` elements): plain Adam, float32 ``m`` and
-  ``nu`` of the parameter's shape;
-* **ternary vector** (at least ``min_size`` elements, rank < 2): ``m`` as
-  block-major trits (:mod:`pallas_kernels.ternary`), float32 ``nu`` of
-  the parameter's shape;
-* **ternary matrix** (at least ``min_size`` elements, rank >= 2): ``m`` as
-  trits, ``nu`` as Adafactor's row and column statistics over the last two
-  axes.
+* **small** (fewer than ``min_quantized_size`` elements): plain Adam,
+  float32 ``m`` and ``nu`` of the parameter's shape;
+* **ternary vector** (at least ``min_quantized_size`` elements, rank < 2):
+  ``m`` as block-major trits (:mod:`pallas_kernels.ternary`), float32 ``nu``
+  of the parameter's shape;
+* **ternary matrix** (at least ``min_quantized_size`` elements, rank >= 2):
+  ``m`` as trits, ``nu`` as Adafactor's row and column statistics over the
+  last two axes.
 
 Every field is a tree shaped like the parameters holding at most one array
 per parameter (Flax NNX rebuilds any container found at a parameter's place
@@ -76,23 +76,23 @@ class ScaleByTernaryAdamState(NamedTuple):
   field_layouts = {"count": sharding.Layout.REPLICATED, "key": sharding.Layout.REPLICATED, "mu": None, "nu": None}
 
 
-def is_ternary(param: jax.Array, min_size: int) -> bool:
+def is_ternary(param: jax.Array, min_quantized_size: int) -> bool:
   """Whether ``param``'s first moment is stored as trits."""
-  return param.size >= min_size
+  return param.size >= min_quantized_size
 
 
-def is_factored(param: jax.Array, min_size: int) -> bool:
+def is_factored(param: jax.Array, min_quantized_size: int) -> bool:
   """Whether ``param``'s second moment is factored into row and column statistics."""
-  return is_ternary(param, min_size) and param.ndim >= 2
+  return is_ternary(param, min_quantized_size) and param.ndim >= 2
 
 
 def init_state(
-  params: optax.Params, key_data: jax.Array, *, block_size: int, min_size: int, packing: str
+  params: optax.Params, key_data: jax.Array, *, block_size: int, min_quantized_size: int, packing: str
 ) -> ScaleByTernaryAdamState:
   """Zero moments for ``params``: zero trits and scales, zero statistics."""
 
   def zero_trits(param):
-    if is_ternary(param, min_size):
+    if is_ternary(param, min_quantized_size):
       return ternary.zeros(param.shape, block_size=block_size, packing=packing)
     return None, None
 
@@ -100,7 +100,7 @@ def init_state(
     return jnp.zeros(param.shape, jnp.float32) if applies else None
 
   def zero_statistic(param, axis):
-    if not is_factored(param, min_size):
+    if not is_factored(param, min_quantized_size):
       return None
     shape = list(param.shape)
     del shape[axis]
@@ -112,11 +112,11 @@ def init_state(
     mu=TernaryMoment(
       packed=jax.tree.map(lambda p: zero_trits(p)[0], params),
       scales=jax.tree.map(lambda p: zero_trits(p)[1], params),
-      dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_size)), params),
+      dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_quantized_size)), params),
     ),
     nu=FactoredSecondMoment(
       row=jax.tree.map(lambda p: zero_statistic(p, -1), params),
       col=jax.tree.map(lambda p: zero_statistic(p, -2), params),
-      dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_size)), params),
+      dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_quantized_size)), params),
     ),
   )
