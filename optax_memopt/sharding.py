@@ -197,12 +197,14 @@ def _block_major_spec(
   Onto the blocks when they divide their number: each device then holds the
   blocks of its own columns. Otherwise, when the codes are block-major too
   (not ``codes_in_param_layout``) and several blocks cut the last axis
-  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), onto
-  the rows beside the mesh axes the rows already have, the layout the
+  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), or the
+  leaf holds one value per block (``per_block == 1``: ternary Adam's scales,
+  which the partitioner scatters like any reduction over a sharded axis),
+  onto the rows beside the mesh axes the rows already have, the layout the
   partitioner gives an update's output there; else nowhere (replicated over
-  them: the partitioner keeps one block per row, TACO's 3 parts of a
-  256-wide row, and the block scales of codes in the parameter's own layout,
-  which every device holding part of a row reads).
+  them: the partitioner keeps the codes of one block per row whole, TACO's 3
+  parts of a 256-wide row, and the block scales of codes in the parameter's
+  own layout, which every device holding part of a row reads).
   """
   last = _mesh_axes(spec[-1])
   blocks = leaf_shape[-2]
@@ -211,7 +213,7 @@ def _block_major_spec(
   rows = _mesh_axes(spec[-2]) + last
   if (
     not codes_in_param_layout
-    and blocks > 1
+    and (blocks > 1 or leaf_shape[-1] == 1)
     and shape[-1] % blocks == 0
     and leaf_shape[-3] % _shard_count(rows, mesh) == 0
   ):

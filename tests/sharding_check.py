@@ -20,7 +20,7 @@ single-device run, saved with orbax midway, is restored into the sharded
 layout and training continues from it.
 
 The shapes divide the mesh, and the registry's block sizes divide the
-shards: the matrices have ``2**17`` or ``3 * 2**14`` elements, so an eighth
+shards: the matrices have ``2**13``, ``2**17`` or ``3 * 2**14`` elements, so an eighth
 of one is a whole number of MicroAdam's 256-element blocks and 64-element
 buckets and of ternary Adam's 32-element blocks; Adam-mini's 4 query heads of
 128 columns fall two to a tensor-parallel shard; TACO's rows follow ``fsdp``
@@ -30,7 +30,8 @@ three of ternary Adam's blocks (and of TACO's parts at ``k = 3``), which
 cannot split over ``tp = 2``; their state then splits its rows over both mesh
 axes, while the scales of 4-bit AdamW's three blocks (codes in the kernel's
 layout) are replicated over ``tp``. TACO's one-segment rule keeps each row
-whole over ``tp``.
+whole over ``tp``. The 32-wide gate kernel's rows are one ternary block each:
+its codes keep the kernel's rows, and so do its row statistics.
 
 Prints one JSON object: ``{name: result}``, where a result holds the
 measurements ``tests/test_sharding.py`` asserts on, or ``{"error": ...}``.
@@ -76,6 +77,7 @@ def make_params(seed: int = 0) -> dict:
     "mlp": {
       "up": {"kernel": (256, 512), "bias": (512,)},
       "down": {"kernel": (512, 256)},
+      "gate": {"kernel": (256, 32)},
     },
     "mlp_norm": {"scale": (256,)},
   }

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import optax_memopt
 from benchmarks import shapes
 from optax_memopt import sharding
 from optax_memopt.training import optimizers
@@ -81,3 +82,20 @@ def test_a_leaf_declared_like_its_parameter_must_have_its_shape():
   state = Moment({"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)})
   with pytest.raises(ValueError, match="Layout.PARAM"):
     sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH)
+
+
+@pytest.mark.parametrize(
+  "shape, codes_rows, scales_rows",
+  [
+    # Three 32-element blocks per row cannot split over tp = 2: codes and scales put it on the rows.
+    ((64, 96), ("fsdp", "tp"), ("fsdp", "tp")),
+    # One block per row: its codes stay whole rows, its scale is scattered like any row reduction.
+    ((256, 32), "fsdp", ("fsdp", "tp")),
+  ],
+)
+def test_ternary_codes_and_scales_where_blocks_do_not_split_over_tp(shape, codes_rows, scales_rows):
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  state = jax.eval_shape(optax_memopt.scale_by_ternary_adam(block_size=32).init, params)
+  laid_out = sharding.state_shardings(state, params, PARAM_SHARDINGS, MESH)
+  assert laid_out.mu.packed["w"].spec == P(codes_rows, None, None)
+  assert laid_out.mu.scales["w"].spec == P(scales_rows, None, None)
