@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -127,8 +128,10 @@ def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelect
   if tracked:
     u = jnp.where(position == tracked_index, u + tracked_offset, u)
   keys = magnitude_key(u)
-  largest = xla_cpu.reduce_row(keys, jnp.max, jnp.maximum)
-  index = xla_cpu.reduce_row(jnp.where(keys == largest, position, width), jnp.min, jnp.minimum)
+  largest = xla_cpu.reduce_row(keys, np.int32(np.iinfo(np.int32).min), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)
+  at_largest = jnp.where(keys == largest[..., None], position, width)
+  index = xla_cpu.reduce_row(at_largest, np.int32(np.iinfo(np.int32).max), lax.min, fold_to=xla_cpu.FUSED_REDUCTION)
+  index = index[..., None]
   value = jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1)
   if tracked:
     # -0.0 where the column is not the tracked one leaves every float as it is.

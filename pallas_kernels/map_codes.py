@@ -446,7 +446,8 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
 
   ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``.
   """
-  scales = jnp.maximum(xla_cpu.reduce_row(jnp.abs(blocks), jnp.max, jnp.maximum), MAP_ZERO_BLOCK_SCALE)
+  absmax = xla_cpu.reduce_row(jnp.abs(blocks), np.float32(-np.inf), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)
+  scales = jnp.maximum(absmax[..., None], MAP_ZERO_BLOCK_SCALE)
   return _divide(scales, FLOAT8_MAX) if code == FLOAT8_CODE else scales
 
 

@@ -143,11 +143,11 @@ def block_statistics(grad_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   One reduction for both: the factored second moment's row sums (summed
   over a row's blocks) and the new scales then take one pass over ``g``
-  (on XLA:CPU two, folded in halves: ``xla_cpu.reduce_folded``). Called
+  (on XLA:CPU two, folded in halves: ``xla_cpu.reduce_row``). Called
   with the same blocks by the optimizer and by the step, the two calls are
   one computation after XLA's common-subexpression elimination.
   """
-  return xla_cpu.reduce_folded(
+  return xla_cpu.reduce_row(
     (jnp.square(grad_blocks), jnp.abs(grad_blocks)),
     (np.float32(0), np.float32(0)),
     lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),

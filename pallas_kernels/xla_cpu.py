@@ -1,7 +1,7 @@
 """The scheduling aids XLA:CPU needs, each the plain computation on other backends.
 
 Values are never changed, only where XLA:CPU computes them (and the
-order in which :func:`reduce_folded` adds, which XLA's reduction leaves
+order in which :func:`reduce_row` adds, which XLA's reduction leaves
 open). Each aid is chosen when the program is lowered (``jax.lax.platform_dependent``): a
 program lowered for a GPU carries none of them, whatever the process's
 default backend. Each aid is kept because it buys a measured share of an optimizer's CPU step
@@ -19,12 +19,11 @@ step wait for the previous leaf's state, so the buffer holds one leaf's
 temporaries. On other backends it is ``jax.tree.map``: temporaries come
 from a pool there, and the wait would cost a small kernel per leaf.
 
-:func:`written_out`, :func:`reduce_row` and :func:`reduce_folded`, for
-ops' XLA paths. XLA fuses a cheap elementwise producer into each of its
-consumers and recomputes it there; XLA:CPU fuses a row reduction with its
-input's computation only over at most ``FUSED_REDUCTION`` entries (a wider
-one first writes the whole input out), and reduces short rows one at a
-time, without vector instructions.
+:func:`written_out` and :func:`reduce_row`, for ops' XLA paths. XLA fuses a
+cheap elementwise producer into each of its consumers and recomputes it
+there; XLA:CPU fuses a row reduction with its input's computation only over
+at most ``FUSED_REDUCTION`` entries (a wider one first writes the whole input
+out), and reduces short rows one at a time, without vector instructions.
 """
 
 from __future__ import annotations
@@ -75,52 +74,39 @@ def written_out(x: jax.Array) -> jax.Array:
   return _on_xla_cpu(x, rewrite_first_element)
 
 
-def reduce_row(x: jax.Array, reduce: Callable[..., jax.Array], combine: Callable[..., jax.Array]) -> jax.Array:
-  """``reduce(x, axis=-1, keepdims=True)``; on XLA:CPU in steps it fuses with ``x``'s computation.
-
-  An even row is first folded in halves by the elementwise ``combine`` (the
-  binary form of ``reduce``, e.g. ``jnp.maximum`` for ``jnp.max``) down to
-  ``FUSED_REDUCTION`` entries; a row still wider reduces in chunks of the
-  widest divisor up to that, then across chunks.
-  """
-
-  def in_fused_steps(x):
-    while x.shape[-1] % 2 == 0 and x.shape[-1] > FUSED_REDUCTION:
-      half = x.shape[-1] // 2
-      x = combine(x[..., :half], x[..., half:])
-    *rows, width = x.shape
-    chunk = max(d for d in range(1, min(width, FUSED_REDUCTION) + 1) if width % d == 0)
-    return reduce(reduce(x.reshape(*rows, width // chunk, chunk), axis=-1), axis=-1, keepdims=True)
-
-  return lax.platform_dependent(x, cpu=_in_scope(in_fused_steps), default=lambda x: reduce(x, axis=-1, keepdims=True))
-
-
-def reduce_folded(
-  values: tuple[jax.Array, ...],
-  init_values: tuple[Any, ...],
-  combine: Callable[[tuple[jax.Array, ...], tuple[jax.Array, ...]], tuple[jax.Array, ...]],
-) -> tuple[jax.Array, ...]:
+def reduce_row(values: Any, init_values: Any, combine: Callable[[Any, Any], Any], *, fold_to: int = 1) -> Any:
   """``lax.reduce(values, init_values, combine)`` over the last axis; on XLA:CPU folded in halves first.
 
-  For short rows (a quantizer's blocks of 32 to 256 entries), which XLA:CPU
-  reduces in a loop per row that does not vectorize. While the rows' length
-  is even, ``combine`` (on tuples of arrays) merges their two halves
-  elementwise, in loops that vectorize and fuse with the values'
-  computation; what is left (one entry for powers of two) is reduced.
-  Maxima and minima are the same bits; sums add in another order (XLA's
-  reduce fixes none, and backends differ).
+  As for ``lax.reduce``, ``values`` is an array or a tuple of arrays of one
+  shape, ``init_values`` their identities and ``combine`` the binary reduction
+  (``lax.max``; on tuples of arrays for a tuple). In a CPU program, while the
+  rows are even and wider than ``fold_to``, ``combine`` merges their two
+  halves elementwise, in loops that vectorize and fuse with the values'
+  computation; what is left reduces in chunks of the widest divisor up to
+  ``fold_to``, then across chunks. ``fold_to=1`` for short rows (a
+  quantizer's blocks of 32 to 256 entries), which XLA:CPU reduces one at a
+  time without vector instructions; ``FUSED_REDUCTION`` for wide rows, which
+  it fuses with their input's computation only up to that width. Maxima and
+  minima are the same bits; sums add in another order (XLA's reduce fixes
+  none, and backends differ).
   """
 
-  def reduce(*values):
-    return lax.reduce(values, tuple(init_values), combine, (values[0].ndim - 1,))
+  def halves(values, part):
+    return jax.tree.map(lambda v: v[..., part], values)
 
-  def folded(*values):
-    while values[0].shape[-1] % 2 == 0 and values[0].shape[-1] > 1:
-      half = values[0].shape[-1] // 2
-      values = tuple(combine(tuple(v[..., :half] for v in values), tuple(v[..., half:] for v in values)))
-    return reduce(*values)
+  def reduce(values, axis):
+    return lax.reduce(values, init_values, combine, (jax.tree.leaves(values)[0].ndim + axis,))
 
-  return tuple(lax.platform_dependent(*values, cpu=_in_scope(folded), default=reduce))
+  def folded(values):
+    width = jax.tree.leaves(values)[0].shape[-1]
+    while width % 2 == 0 and width > fold_to:
+      width //= 2
+      values = combine(halves(values, slice(None, width)), halves(values, slice(width, None)))
+    chunk = max(d for d in range(1, min(width, fold_to) + 1) if width % d == 0)
+    chunks = jax.tree.map(lambda v: v.reshape(*v.shape[:-1], width // chunk, chunk), values)
+    return reduce(reduce(chunks, -1), -1)
+
+  return lax.platform_dependent(values, cpu=_in_scope(folded), default=lambda values: reduce(values, -1))
 
 
 def _bits(x: jax.Array) -> jax.Array:

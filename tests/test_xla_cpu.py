@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels import _backend, lowbit_adamw_update, xla_cpu
 
@@ -125,20 +126,23 @@ def test_written_out_is_the_value_and_only_in_cpu_programs(seed):
 
 
 @pytest.mark.parametrize("width", [1, 7, 32, 48, 64, 96, 1000, 1024])
-@pytest.mark.parametrize("reduce,combine", [(jnp.max, jnp.maximum), (jnp.min, jnp.minimum)])
-def test_reduce_row_is_the_reduction(width, reduce, combine, seed):
+@pytest.mark.parametrize(
+  "reduce,init,combine", [(jnp.max, np.iinfo(np.int32).min, lax.max), (jnp.min, np.iinfo(np.int32).max, lax.min)]
+)
+def test_reduce_row_of_wide_rows_is_the_reduction(width, reduce, init, combine, seed):
   x = jnp.asarray(np.random.default_rng(seed).integers(-1000, 1000, size=(3, 2, width)), jnp.int32)
-  got = jax.jit(lambda v: xla_cpu.reduce_row(v, reduce, combine))(x)
-  np.testing.assert_array_equal(got, np.asarray(reduce(np.asarray(x), axis=-1, keepdims=True)))
-  in_cuda_program = lowered(lambda v: xla_cpu.reduce_row(v, reduce, combine), x, platform="cuda")
+  fn = lambda v: xla_cpu.reduce_row(v, np.int32(init), combine, fold_to=xla_cpu.FUSED_REDUCTION)
+  got = jax.jit(fn)(x)
+  np.testing.assert_array_equal(got, np.asarray(reduce(np.asarray(x), axis=-1)))
+  in_cuda_program = lowered(fn, x, platform="cuda")
   assert xla_cpu.SCOPE not in in_cuda_program and in_cuda_program.count("stablehlo.reduce") == 1
 
 
 @pytest.mark.parametrize("width", [1, 3, 32, 128, 96, 1000, 1024])
-def test_reduce_folded_gives_the_reductions_values_and_only_folds_in_cpu_programs(width, seed):
+def test_reduce_row_of_a_tuple_gives_the_reductions_values_and_only_folds_in_cpu_programs(width, seed):
   x = jnp.asarray(np.random.default_rng(seed).normal(size=(3, 2, width)), jnp.float32).at[0, 0, 0].set(-0.0)
   combine = lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1]))
-  fn = lambda x: xla_cpu.reduce_folded((x * x, jnp.abs(x)), (0.0, -jnp.inf), combine)
+  fn = lambda x: xla_cpu.reduce_row((x * x, jnp.abs(x)), (np.float32(0), np.float32(-np.inf)), combine)
   squares, maxima = jax.jit(fn)(x)
   assert_same_bits(maxima, np.abs(np.asarray(x)).max(axis=-1))
   np.testing.assert_allclose(squares, (np.asarray(x, np.float64) ** 2).sum(axis=-1), rtol=1e-5)
