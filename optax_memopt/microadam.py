@@ -78,6 +78,11 @@ def _check_hyperparameters(
       f"block_size must be a multiple of {topk.KERNEL_ROW} for the Pallas top-k kernel (a block is"
       f" whole rows of {topk.KERNEL_ROW}); got {block_size}. Use implementation='xla' for other block sizes."
     )
+  if implementation in ("pallas", "interpret") and (bucket_size % quantize.ROW or block_size % bucket_size):
+    raise ValueError(
+      f"bucket_size must be a multiple of {quantize.ROW} dividing block_size for the Pallas error-feedback kernel;"
+      f" got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
+    )
   return window, density, block_size, bucket_size
 
 
@@ -238,9 +243,15 @@ def scale_by_microadam(
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
-      # What top-k left out is the next error, in 4 bits.
-      error = quantize.quantize(
-        topk.zero_selected(accumulated, selected, kept, density=density, block_size=block_size),
+      # What top-k left out is the next error, in 4 bits: a (recomputed from
+      # g and e, not read back) with a[I] = 0.
+      error = quantize.requantize_unselected(
+        quantize.QuantizedArray(*error),
+        gradient.reshape(-1).astype(jnp.float32),
+        selected,
+        kept,
+        density=density,
+        block_size=block_size,
         bits=ERROR_BITS,
         bucket_size=bucket_size,
         stats_dtype=jnp.bfloat16,

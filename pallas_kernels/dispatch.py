@@ -31,6 +31,8 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 FASTER_ON_HOPPER: dict[str, bool] = {
   "block_topk": False,
   "quantize": True,
+  # MicroAdam's error feedback re-encoded without writing it in float32.
+  "requantize_unselected": True,
   # Decoding fused by XLA into its readers moves fewer bytes than the
   # kernel writing the decoded values out (MicroAdam's step, H100 compile).
   "dequantize": False,

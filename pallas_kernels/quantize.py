@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, dispatch, packing, static_args, xla_cpu
+from pallas_kernels import _backend, dispatch, packing, static_args, topk, xla_cpu
 
 SUPPORTED_BITS = (4, 8)
 # Elements per kernel row: two planes of ``packing.PLANE_WIDTH``, which is one
@@ -462,6 +462,74 @@ def _decode_kernel(*refs: Any, bits: int, bucket_size: int, rows: int, add: bool
   lax.fori_loop(0, rows, write_row, 0)
 
 
+def _requantize_kernel(
+  codes_ref: Any,
+  min_ref: Any,
+  max_ref: Any,
+  lanes_ref: Any,
+  y_ref: Any,
+  threshold_ref: Any,
+  last_ref: Any,
+  valid_ref: Any,
+  codes_out_ref: Any,
+  min_out_ref: Any,
+  max_out_ref: Any,
+  *,
+  bits: int,
+  rows: int,
+  stats_dtype: np.dtype,
+) -> None:
+  """One program: a bucket of ``rows`` rows of ``x = y + decode(codes)``, its selection set to 0, encoded.
+
+  refs: codes ``[buckets, rows, ROW * bits / 8]``, minimum, maximum
+  ``[buckets, 1, 1]``, lanes ``[128]``, y ``[buckets, rows, ROW]``, then per
+  bucket the selection's key bound ``T``, its last index ``L`` (bucket-local)
+  and the number of real elements; the outputs codes, minimum and maximum.
+  ``x`` is computed in both passes (statistics, then codes), never stored.
+  """
+  b = lax.axis_index(_GRID_AXIS)
+  old_minimum = min_ref[b, 0, 0].astype(jnp.float32)
+  old_step = _step(old_minimum, max_ref[b, 0, 0].astype(jnp.float32), bits)
+  threshold, last, valid = threshold_ref[b, 0, 0], last_ref[b, 0, 0], valid_ref[b, 0, 0]
+  lanes = lanes_ref[...]
+
+  def row_values(r):
+    """The two halves of row ``r`` of ``x``, selected entries 0, with masks of the real elements."""
+    halves = []
+    for h, codes in enumerate(_load_codes(codes_ref, b, r, bits)):
+      x = y_ref[b, r, _half(h)].astype(jnp.float32) + _decode(codes, old_minimum, old_step)
+      position = lanes + (r * ROW + h * packing.PLANE_WIDTH)
+      key = topk.magnitude_key(x)
+      selected = (key > threshold) | ((key == threshold) & (position <= last))
+      halves.append((jnp.where(selected, 0.0, x), position < valid))
+    return halves
+
+  def widen(r, bounds):
+    for x, real in row_values(r):
+      if bounds is None:  # The first half of row 0 (element 0 is real).
+        bounds = (x, x)
+      bounds = (
+        jnp.minimum(bounds[0], jnp.where(real, x, jnp.inf)),
+        jnp.maximum(bounds[1], jnp.where(real, x, -jnp.inf)),
+      )
+    return bounds
+
+  # Elementwise bounds over the rows, then one reduction per bucket.
+  lowest, highest = lax.fori_loop(1, rows, widen, widen(0, None))
+  minimum = jnp.min(_round_outward(lowest, stats_dtype, upward=False))
+  maximum = jnp.max(_round_outward(highest, stats_dtype, upward=True))
+  min_out_ref[b, 0, 0] = minimum.astype(stats_dtype)
+  max_out_ref[b, 0, 0] = maximum.astype(stats_dtype)
+  inverse_step = _inverse_step(_step(minimum, maximum, bits))
+
+  def write_row(r, carry):
+    codes = [_encode(x, minimum, inverse_step, bits) for x, _ in row_values(r)]
+    _store_codes(codes_out_ref, b, r, codes, bits)
+    return carry
+
+  lax.fori_loop(0, rows, write_row, 0)
+
+
 def _lanes(bucket_size: int) -> tuple[jax.Array, ...]:
   """Lane indices of a half row, for kernels that split it into buckets.
 
@@ -559,6 +627,62 @@ def _decode_pallas(
     interpret=interpret,
   )
   return kernel(codes, minimum, maximum, *_lanes(bucket_size), *addend).reshape(-1)[:size]
+
+
+@functools.partial(
+  jax.jit, static_argnames=("density", "block_size", "bits", "bucket_size", "stats_dtype", "interpret")
+)
+def _requantize_pallas(
+  q: QuantizedArray,
+  y: jax.Array,
+  indices: jax.Array,
+  values: jax.Array,
+  *,
+  density: float,
+  block_size: int,
+  bits: int,
+  bucket_size: int,
+  stats_dtype: np.dtype,
+  interpret: bool,
+) -> QuantizedArray:
+  size = y.size
+  blocks = _blocks(size, bucket_size)
+  codes = _packed_to_kernel_rows(q.codes, size, bits, blocks.elements * bits // 8)
+  codes = codes.reshape(blocks.count, blocks.rows, ROW * bits // 8)
+  minimum, maximum = (s.reshape(blocks.stats_shape) for s in (q.minimum, q.maximum))
+  rows = jnp.pad(y.reshape(-1), (0, blocks.elements - size)).reshape(blocks.count, blocks.rows, ROW)
+  # Per bucket: its block's bound (a bucket lies in one block), the last
+  # index relative to the bucket, and how many of its elements are real.
+  thresholds, last_ties = topk.selection_bounds(indices, values, size=size, density=density, block_size=block_size)
+  start = jnp.arange(blocks.count, dtype=jnp.int32) * bucket_size
+  block = start // block_size
+  per_bucket = [
+    thresholds[block],
+    last_ties[block] - (start - block * block_size),
+    jnp.minimum(size - start, bucket_size),
+  ]
+  kernel = _backend.mosaic_gpu_kernel(
+    functools.partial(_requantize_kernel, bits=bits, rows=blocks.rows, stats_dtype=stats_dtype),
+    out_type=(
+      jax.ShapeDtypeStruct(codes.shape, jnp.uint8),
+      jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype),
+      jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype),
+    ),
+    grid=(blocks.count,),
+    grid_names=(_GRID_AXIS,),
+    interpret=interpret,
+  )
+  new_codes, new_minimum, new_maximum = kernel(
+    codes,
+    minimum,
+    maximum,
+    jnp.arange(packing.PLANE_WIDTH, dtype=jnp.int32),
+    rows,
+    *(x.reshape(blocks.stats_shape) for x in per_bucket),
+  )
+  return QuantizedArray(
+    _kernel_rows_to_packed(new_codes.reshape(-1), size, bits), new_minimum.reshape(-1), new_maximum.reshape(-1)
+  )
 
 
 # -- public entry points -------------------------------------------------------
@@ -789,6 +913,103 @@ def dequantize_add(
   return flat.reshape(y.shape)
 
 
+def requantize_unselected(
+  q: QuantizedArray,
+  y: jax.Array,
+  indices: jax.Array,
+  values: jax.Array,
+  *,
+  density: float,
+  block_size: int,
+  bits: int = 4,
+  bucket_size: int,
+  stats_dtype: Any = jnp.float32,
+  implementation: dispatch.Implementation = None,
+) -> QuantizedArray:
+  r"""``quantize`` of ``x = y + dequantize(q)`` with ``block_topk``'s selection of ``x`` set to 0.
+
+  .. math::
+
+    x = y + \hat{q}, \qquad x_i \leftarrow 0 \;\; (i \in \text{block-top-}k(|x|)), \qquad
+    q' = \mathrm{quant}(x),
+
+  the selection given by ``(indices, values) = topk.block_topk(x, ...)``
+  (MicroAdam's error feedback: what its top-k left out, re-encoded). The
+  kernel decodes ``x`` from ``q`` and ``y`` in each pass over a bucket and
+  zeroes the selection by its rank bound (``topk.selection_bounds``), so no
+  float32 ``x`` is written; it needs buckets of whole rows that do not
+  straddle top-k blocks (``block_size`` a multiple of ``bucket_size``).
+
+  Args:
+    q: the output of ``quantize`` for ``y.size`` elements.
+    y: a float array (bfloat16, float16 or float32) of any shape.
+    indices: the block-local indices ``block_topk`` returned for ``x`` (float32).
+    values: the float32 values ``block_topk`` returned for ``x``.
+    density: fraction of each block kept, as given to ``block_topk``.
+    block_size: elements per top-k block, as given to ``block_topk``.
+    bits: 4 or 8, as ``q`` was quantized and the result will be.
+    bucket_size: elements per bucket of ``q`` and of the result.
+    stats_dtype: dtype of the result's minimum and maximum.
+    implementation: None, ``"xla"``, ``"pallas"`` or ``"interpret"`` (see
+      ``quantize``).
+
+  Returns:
+    ``quantize(topk.zero_selected(dequantize_add(q, y as float32), indices,
+    values, ...), ...)``, a ``QuantizedArray`` like ``q``.
+
+  Raises:
+    ValueError: for arguments ``quantize``, ``dequantize_add`` or
+      ``topk.zero_selected`` refuse, or a Pallas implementation asked for
+      buckets the kernel does not take.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels import quantize, topk
+    >>> q = quantize.quantize(jnp.zeros(512), bits=4, bucket_size=256)
+    >>> y = jnp.arange(512.0)
+    >>> indices, values = topk.block_topk(y, density=0.5, block_size=256)
+    >>> e = quantize.requantize_unselected(q, y, indices, values, density=0.5, block_size=256,
+    ...                                    bits=4, bucket_size=256)
+    >>> e.maximum.tolist()  # the lower half of each block is left
+    [127.0, 383.0]
+  """
+  y = jnp.asarray(y)
+  _check_dtype("y", y.dtype, _INPUT_DTYPES)
+  stats_dtype = _check_dtype("stats_dtype", stats_dtype, _STATS_DTYPES)
+  _check_bits(bits)
+  _check_bucket_size(bucket_size)
+  _check_quantized(q, y.size, bits, bucket_size)
+  dispatch.check(implementation)
+  if y.size == 0:
+    return QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype))
+  unsupported = None
+  if bucket_size < ROW or block_size % bucket_size:
+    unsupported = (
+      f"the Pallas kernel needs bucket_size a multiple of {ROW} dividing block_size; got bucket_size={bucket_size},"
+      f" block_size={block_size}. Use implementation='xla'."
+    )
+
+  def path(resolved: str) -> QuantizedArray:
+    if resolved == "xla":
+      x = dequantize_add(q, y.reshape(-1).astype(jnp.float32), bits=bits, bucket_size=bucket_size, implementation="xla")
+      x = topk.zero_selected(x, indices, values, density=density, block_size=block_size)
+      return quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
+    return _requantize_pallas(
+      q,
+      y,
+      indices,
+      values,
+      density=density,
+      block_size=block_size,
+      bits=bits,
+      bucket_size=bucket_size,
+      stats_dtype=stats_dtype,
+      interpret=resolved == "interpret",
+    )
+
+  return dispatch.run("requantize_unselected", implementation, path, unsupported=unsupported)
+
+
 def lowering_examples() -> list[_backend.LoweringExample]:
   """Each kernel at 4 and 8 bits, with buckets spanning rows and within a row.
 
@@ -829,4 +1050,29 @@ def lowering_examples() -> list[_backend.LoweringExample]:
           (q, x),
         ),
       ]
+  # MicroAdam's error feedback at its defaults, with a short top-k block and bucket.
+  size = 2 * 16384 + 1000
+  kept = topk.selection_size(size, density=0.01, block_size=16384)
+  stats = jax.ShapeDtypeStruct((num_buckets(size, 1024),), jnp.bfloat16)
+  examples.append(
+    _backend.LoweringExample(
+      "requantize_unselected_4bit_bucket1024",
+      _backend.MOSAIC_GPU_CALL,
+      functools.partial(
+        requantize_unselected,
+        density=0.01,
+        block_size=16384,
+        bits=4,
+        bucket_size=1024,
+        stats_dtype=jnp.bfloat16,
+        implementation="pallas",
+      ),
+      (
+        QuantizedArray(jax.ShapeDtypeStruct((packing.packed_size(size, 2),), jnp.uint8), stats, stats),
+        jax.ShapeDtypeStruct((size,), jnp.float32),
+        jax.ShapeDtypeStruct((kept,), jnp.int16),
+        jax.ShapeDtypeStruct((kept,), jnp.float32),
+      ),
+    )
+  )
   return examples

@@ -392,20 +392,78 @@ def block_topk(
   )
 
 
+@functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
+def _selection_bounds(indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int):
+  """Per block (full blocks, then the tail): its smallest selected key ``T``, its last selected index of key ``T``."""
+  keys = magnitude_key(values)
+  local = indices.astype(jnp.int32)
+  thresholds, last_ties, start = [], [], 0
+  full_blocks, tail = divmod(size, block_size)
+  for count, keep in ((full_blocks, entries_kept(block_size, density)), (int(tail > 0), entries_kept(tail, density))):
+    end = start + count * keep
+    kept_keys = keys[start:end].reshape(count, keep)
+    kept_local = local[start:end].reshape(count, keep)
+    start = end
+    threshold = kept_keys.min(axis=1, initial=jnp.iinfo(jnp.int32).max)
+    thresholds.append(threshold)
+    last_ties.append(jnp.max(jnp.where(kept_keys == threshold[:, None], kept_local, -1), axis=1, initial=-1))
+  return jnp.concatenate(thresholds), jnp.concatenate(last_ties)
+
+
+def selection_bounds(
+  indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int
+) -> tuple[jax.Array, jax.Array]:
+  """Per block, the rank bound that delimits ``block_topk``'s selection.
+
+  Block ``b``'s selection is exactly the entries ``i`` (block-local) with
+
+  .. math::
+    \\mathrm{key}(x_i) > T_b \\;\\text{or}\\; (\\mathrm{key}(x_i) = T_b \\;\\text{and}\\; i \\le L_b),
+
+  ``T_b`` its smallest selected magnitude key (``magnitude_key``) and ``L_b``
+  the last selected index of key ``T_b`` (ties go to the lower index).
+
+  Args:
+    indices: the block-local indices ``block_topk`` returned for ``x``.
+    values: the values ``block_topk`` returned for ``x`` (``x``'s dtype).
+    size: ``x.size``.
+    density: fraction of each block kept, as given to ``block_topk``.
+    block_size: elements per block, as given to ``block_topk``.
+
+  Returns:
+    ``(T, L)``, int32 arrays of ``ceil(size / block_size)`` entries, the
+    full blocks' then the tail's.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.topk import block_topk, magnitude_key, selection_bounds
+    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
+    >>> indices, values = block_topk(x, density=0.5, block_size=4)
+    >>> threshold, last = selection_bounds(indices, values, size=10, density=0.5, block_size=4)
+    >>> bool((threshold == magnitude_key(jnp.array([2., 1., 7.]))).all()), last.tolist()
+    (True, [3, 3, 0])
+  """
+  density, block_size = _check_block_params(density, block_size)
+  expected = (selection_size(size, density=density, block_size=block_size),)
+  if jnp.shape(indices) != expected or jnp.shape(values) != expected:
+    raise ValueError(
+      f"indices and values must have shape {expected}, as block_topk returns for"
+      f" x of size {size}, density={density}, block_size={block_size}; got"
+      f" {jnp.shape(indices)} and {jnp.shape(values)}."
+    )
+  return _selection_bounds(indices, values, size=size, density=density, block_size=block_size)
+
+
 @functools.partial(jax.jit, static_argnames=("density", "block_size"))
 def _zero_selected(
   x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
 ) -> jax.Array:
-  keys = magnitude_key(values)
-  local = indices.astype(jnp.int32)
+  thresholds, last_ties = _selection_bounds(indices, values, size=x.size, density=density, block_size=block_size)
   masks, start = [], 0
-  for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
-    end = start + blocks.shape[0] * keep
-    kept_keys = keys[start:end].reshape(-1, keep)
-    kept_local = local[start:end].reshape(-1, keep)
+  for blocks, _ in _block_parts(x.reshape(-1), density=density, block_size=block_size):
+    end = start + blocks.shape[0]
+    threshold, last_tie = thresholds[start:end, None], last_ties[start:end, None]
     start = end
-    threshold = kept_keys.min(axis=1, keepdims=True)
-    last_tie = jnp.max(jnp.where(kept_keys == threshold, kept_local, -1), axis=1, keepdims=True)
     block_keys = magnitude_key(blocks)
     position = lax.broadcasted_iota(jnp.int32, blocks.shape, 1)
     selected = (block_keys > threshold) | ((block_keys == threshold) & (position <= last_tie))
