@@ -200,8 +200,10 @@ def scale_by_lowbit_adam(
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
-def _alias(state_format: str, default_block_size: int):
+def _alias(state_format: str, *, what: str, state_bytes: str, reference: str):
+  """The alias of ``state_format`` (``adamw_8bit``, ...), documented by ``_ALIAS_DOC``."""
   name = _ALIASES[state_format]
+  default_block_size = fused_step.STATE_FORMATS[state_format].block_size
 
   def alias(
     learning_rate: optax.ScalarOrSchedule,
@@ -230,6 +232,9 @@ def _alias(state_format: str, default_block_size: int):
     )
 
   alias.__name__ = alias.__qualname__ = name
+  alias.__doc__ = _ALIAS_DOC.format(
+    what=what, fmt=state_format, bytes=state_bytes, block=default_block_size, name=name, reference=reference
+  )
   return alias
 
 
@@ -270,30 +275,21 @@ _ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})`
     {reference}
   """
 
-adamw_8bit = _alias("8bit", 256)
-adamw_8bit.__doc__ = _ALIAS_DOC.format(
+adamw_8bit = _alias(
+  "8bit",
   what="8-bit moments (bitsandbytes' dynamic maps, blocks of 256)",
-  fmt="8bit",
-  bytes="2.03",
-  block=256,
-  name="adamw_8bit",
+  state_bytes="2.03",
   reference='Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022 (https://arxiv.org/abs/2110.02861).',
 )
-adamw_4bit = _alias("4bit", 128)
-adamw_4bit.__doc__ = _ALIAS_DOC.format(
+adamw_4bit = _alias(
+  "4bit",
   what="4-bit moments (dynamic map for m, linear map without zero for v, blocks of 128)",
-  fmt="4bit",
-  bytes="1.06",
-  block=128,
-  name="adamw_4bit",
+  state_bytes="1.06",
   reference='Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023 (https://arxiv.org/abs/2309.01507).',
 )
-adamw_fp8 = _alias("fp8", 256)
-adamw_fp8.__doc__ = _ALIAS_DOC.format(
+adamw_fp8 = _alias(
+  "fp8",
   what="float8 e4m3fn moments (scale absmax / 448, blocks of 256)",
-  fmt="fp8",
-  bytes="2.03",
-  block=256,
-  name="adamw_fp8",
+  state_bytes="2.03",
   reference="torchao's ``AdamWFp8`` (https://github.com/pytorch/ao, torchao/optim).",
 )

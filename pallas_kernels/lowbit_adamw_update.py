@@ -252,56 +252,6 @@ def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> 
   return mu_codes, nu_codes
 
 
-def _step(
-  grad: jax.Array,
-  moments: LowbitMoments,
-  *,
-  count: Any,
-  b1: Any,
-  b2: Any,
-  eps: Any,
-  state_format: str,
-  block_size: int,
-) -> tuple[jax.Array, LowbitMoments]:
-  """The step in plain jnp (module docstring), arguments unchecked."""
-  state = STATE_FORMATS[state_format]
-  shape = grad.shape
-  blocks = blocks_shape(shape, block_size)
-
-  def per_element(scales):
-    """Each element's scale, in the tensor's shape: decoding and encoding are
-    elementwise there, so the codes keep the tensor's layout and sharding."""
-    return from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
-
-  mu_codes, nu_codes = _split_codes(moments, state_format)
-
-  def new_moments(zero, in_place):
-    mu, nu = (
-      map_codes.map_decode(_depending_on(codes, zero), per_element(scales), code=code, elementwise=in_place)
-      for codes, scales, code in (
-        (mu_codes, moments.mu_scales, state.mu_code),
-        (nu_codes, moments.nu_scales, state.nu_code),
-      )
-    )
-    return _moments(grad, mu, nu, b1, b2, zero)
-
-  count = jnp.asarray(count)
-  # The blocks' absmax in a first pass (decoding by table reads); the new
-  # codes and the direction in a second, elementwise, that XLA:GPU fuses with
-  # the parameters' update and that writes the codes in place.
-  scales = [
-    map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
-    for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
-  ]
-  mu, nu = new_moments(_codes_zero(count), in_place=True)
-  codes = [
-    map_codes.map_encode(x, per_element(s), code=code)
-    for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
-  ]
-  direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
-  return direction.astype(grad.dtype), LowbitMoments(*_join_codes(*codes, state_format), *scales)
-
-
 def _describe(array: Any) -> str:
   return "None" if array is None else f"{array.dtype}{list(array.shape)}"
 
@@ -371,4 +321,40 @@ def lowbit_adamw_update(
         f" {grad.shape}, state_format={state_format!r} and block_size={block_size}; got"
         f" {_describe(actual)}."
       )
-  return _step(grad, moments, count=count, b1=b1, b2=b2, eps=eps, state_format=state_format, block_size=block_size)
+  # The step in plain jnp (module docstring).
+  state = STATE_FORMATS[state_format]
+  shape = grad.shape
+  blocks = blocks_shape(shape, block_size)
+
+  def per_element(scales):
+    """Each element's scale, in the tensor's shape: decoding and encoding are
+    elementwise there, so the codes keep the tensor's layout and sharding."""
+    return from_blocks(jnp.broadcast_to(scales, (*blocks, block_size)), shape)
+
+  mu_codes, nu_codes = _split_codes(moments, state_format)
+
+  def new_moments(zero, in_place):
+    mu, nu = (
+      map_codes.map_decode(_depending_on(codes, zero), per_element(scales), code=code, elementwise=in_place)
+      for codes, scales, code in (
+        (mu_codes, moments.mu_scales, state.mu_code),
+        (nu_codes, moments.nu_scales, state.nu_code),
+      )
+    )
+    return _moments(grad, mu, nu, b1, b2, zero)
+
+  count = jnp.asarray(count)
+  # The blocks' absmax in a first pass (decoding by table reads); the new
+  # codes and the direction in a second, elementwise, that XLA:GPU fuses with
+  # the parameters' update and that writes the codes in place.
+  scales = [
+    map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
+    for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
+  ]
+  mu, nu = new_moments(_codes_zero(count), in_place=True)
+  codes = [
+    map_codes.map_encode(x, per_element(s), code=code)
+    for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
+  ]
+  direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
+  return direction.astype(grad.dtype), LowbitMoments(*_join_codes(*codes, state_format), *scales)
