@@ -15,7 +15,7 @@ import numbers
 import warnings
 from typing import Any
 
-from pallas_kernels.static_args import check_fraction, check_int, check_static
+from pallas_kernels.static_args import check_decay_rate, check_fraction, check_int, check_non_negative, check_static
 
 __all__ = [
   "check_decay_rate",
@@ -26,22 +26,6 @@ __all__ = [
   "check_static",
   "renamed_keyword",
 ]
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_decay_rate(name: str, value: Any) -> None:
-  """An exponential-moving-average rate such as ``b1``: in ``[0, 1)``."""
-  if _is_number(value) and not 0 <= value < 1:
-    raise ValueError(f"{name} must be in [0, 1); got {value}.")
-
-
-def check_non_negative(name: str, value: Any) -> None:
-  """``eps``, ``weight_decay``: ``>= 0`` (and not NaN)."""
-  if _is_number(value) and not value >= 0:
-    raise ValueError(f"{name} must be >= 0; got {value}.")
 
 
 def check_learning_rate(learning_rate: Any) -> None:
@@ -59,7 +43,7 @@ def renamed_keyword(old_name: str, old_value: Any, new_name: str, new_value: Any
   """
   if old_value is None:
     return new_value
-  if not (_is_number(new_value) and new_value == default):
+  if not (isinstance(new_value, numbers.Integral) and new_value == default):
     raise ValueError(f"{old_name} is the old name of {new_name}; pass {new_name} only.")
   warnings.warn(f"{old_name} is deprecated; pass {new_name}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
   return old_value

@@ -1,9 +1,11 @@
-"""Checks of the static (shape-fixing) arguments that ops and optimizers share.
+"""Checks of the arguments that ops and optimizers share, each error naming the argument.
 
 A block size, a window or a number of bits fixes array shapes, so it must be
 a Python value when a function is traced. Under ``optax.inject_hyperparams``
 every numeric argument becomes an array unless it is listed in
-``static_args``: the error says so, naming the argument.
+``static_args``: the error says so, naming the argument. Float arguments
+(decay rates, ``eps``) may be arrays or tracers: only plain numbers are
+checked.
 """
 
 from __future__ import annotations
@@ -51,6 +53,22 @@ def check_fraction(name: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
     raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}.")
   return float(value)
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_decay_rate(name: str, value: Any) -> None:
+  """An exponential-moving-average rate such as ``b1``: in ``[0, 1)``."""
+  if _is_number(value) and not 0 <= value < 1:
+    raise ValueError(f"{name} must be in [0, 1); got {value}.")
+
+
+def check_non_negative(name: str, value: Any) -> None:
+  """``eps``, ``weight_decay``: ``>= 0`` (and not NaN)."""
+  if _is_number(value) and not value >= 0:
+    raise ValueError(f"{name} must be >= 0; got {value}.")
 
 
 def index_dtype(extent: int) -> np.dtype:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import ternary, xla_cpu
+from pallas_kernels import static_args, ternary, xla_cpu
 from pallas_kernels.blocks import from_blocks, to_blocks
 
 
@@ -420,11 +420,9 @@ def ternary_adam_update(
   seed = jnp.asarray(seed)
   if seed.shape != () or seed.dtype != jnp.uint32:
     raise ValueError(f"seed must be a uint32 scalar; got {seed.dtype}{list(seed.shape)}.")
-  for rate_name, rate in (("b1", b1), ("b2", b2)):
-    if isinstance(rate, (int, float)) and not 0 <= rate < 1:
-      raise ValueError(f"{rate_name} must be in [0, 1); got {rate}.")
-  if isinstance(eps, (int, float)) and not eps >= 0:
-    raise ValueError(f"eps must be >= 0; got {eps}.")
+  static_args.check_decay_rate("b1", b1)
+  static_args.check_decay_rate("b2", b2)
+  static_args.check_non_negative("eps", eps)
 
   return _step(
     grad,
