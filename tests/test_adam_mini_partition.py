@@ -79,14 +79,14 @@ def expected_llama_rows(c: model.TransformerConfig, scan: bool):
   return rows
 
 
+def llama_heads(scan):
+  """The partition's keyword arguments for ``llama(scan)``: its heads, and its stacked layers when scanned."""
+  return dict(n_heads=CONFIG.n_heads, n_kv_heads=CONFIG.n_kv_heads, stacked_modules="layers" if scan else ())
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
 def test_nnx_llama_gqa_partition_table(scan):
-  config, network = CONFIG, llama(scan)
-  kwargs = dict(
-    n_heads=config.n_heads,
-    n_kv_heads=config.n_kv_heads,
-    stacked_modules="layers" if scan else (),
-  )
+  config, network, kwargs = CONFIG, llama(scan), llama_heads(scan)
   partition = optax_memopt.adam_mini_partition(nnx.state(network, nnx.Param), **kwargs)
   expected = expected_llama_rows(config, scan)
   assert {row.path: (row.shape, row.rule, row.blocks) for row in partition.rows} == expected
@@ -104,12 +104,7 @@ def test_nnx_llama_gqa_partition_table(scan):
 
 @pytest.mark.parametrize("scan", [False, True], ids=["layer_list", "scanned"])
 def test_nnx_llama_trains_with_state_in_block_shapes(scan):
-  config, network = CONFIG, llama(scan)
-  kwargs = dict(
-    n_heads=config.n_heads,
-    n_kv_heads=config.n_kv_heads,
-    stacked_modules="layers" if scan else (),
-  )
+  config, network, kwargs = CONFIG, llama(scan), llama_heads(scan)
   optimizer = nnx.Optimizer(network, optax_memopt.adam_mini(3e-3, weight_decay=0.1, **kwargs), wrt=nnx.Param)
   partition = optax_memopt.adam_mini_partition(nnx.state(network, nnx.Param), **kwargs)
   nu_shapes = [v.shape for v in jax.tree.leaves(optimizer.opt_state[0].nu)]

@@ -197,18 +197,14 @@ def test_short_input_equals_the_reference(seed):
 
 
 def test_direction_keeps_the_gradient_shape_and_dtype():
-  grad = jnp.ones((40, 50), jnp.bfloat16)
-  stored = ternary.zeros((40, 50), block_size=64)
   step = ternary_adam_update(
-    grad,
-    stored,
-    jnp.zeros((40, 50)),
-    seed=jnp.uint32(0),
-    count=1,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    block_size=64,
+    **_good_arguments()
+    | dict(
+      grad=jnp.ones((40, 50), jnp.bfloat16),
+      momentum=ternary.zeros((40, 50), block_size=64),
+      nu=jnp.zeros((40, 50)),
+      block_size=64,
+    )
   )
   assert step.direction.shape == (40, 50) and step.direction.dtype == jnp.bfloat16
   assert step.nu.shape == (40, 50) and step.nu.dtype == jnp.float32
