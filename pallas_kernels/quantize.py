@@ -939,6 +939,11 @@ def requantize_unselected(
   zeroes the selection by its rank bound (``topk.selection_bounds``), so no
   float32 ``x`` is written; it needs buckets of whole rows that do not
   straddle top-k blocks (``block_size`` a multiple of ``bucket_size``).
+  The selection is judged on the kernel's own ``x``: it zeroes exactly the
+  selected entries where that ``x`` is bit-equal to the one ``block_topk``
+  ranked (in the interpreter it is; a GPU compiler that contracted the
+  decoding's multiply-add in one program and not the other could judge an
+  entry at a block's threshold differently).
 
   Args:
     q: the output of ``quantize`` for ``y.size`` elements.

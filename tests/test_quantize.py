@@ -267,10 +267,15 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
   rng = np.random.default_rng(seed)
   size = math.prod(shape)
   kwargs = dict(bits=bits, bucket_size=bucket_size)
-  e = draw_input((size,), jnp.float32, bucket_size, seed) if error == "random" else jnp.zeros(size)
-  q = quantize.quantize(e, stats_dtype=stats_dtype, implementation="xla", **kwargs)
+  e = np.array(draw_input((size,), jnp.float32, bucket_size, seed)) if error == "random" else np.zeros(size)
   y = rng.standard_normal(size)
   y[rng.random(size) < 0.3] = -1.5  # ties: more than k of them in every block
+  # The short last bucket's error decodes far below its x (where the kernel's
+  # padding, decoded as the old minimum, would widen the bucket's range).
+  last = size - size % bucket_size
+  e[last:] = np.where(e[last:] == 0, 0, -50 - rng.random(size - last))
+  y[last:] += np.where(e[last:] == 0, 0, 100)
+  q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, implementation="xla", **kwargs)
   y = jnp.asarray(y.reshape(shape), dtype)
   x = quantize.dequantize_add(q, y.astype(jnp.float32), implementation="xla", **kwargs).reshape(-1)
   indices, values = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
@@ -308,6 +313,28 @@ def test_requantize_unselected_kernel_needs_buckets_inside_blocks():
     requantized(implementation="interpret")
   # The default takes XLA.
   chex.assert_trees_all_equal(requantized(), requantized(implementation="xla"))
+
+
+@pytest.mark.parametrize("block_size,kernel", [(2048, True), (1280, False)])
+def test_requantize_unselected_on_hopper_runs_the_kernel_where_buckets_lie_inside_blocks(
+  monkeypatch, block_size, kernel
+):
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  size = 4096
+  kept = topk.selection_size(size, density=0.01, block_size=block_size)
+  stats = jax.ShapeDtypeStruct((quantize.num_buckets(size, 512),), jnp.bfloat16)
+  q = quantize.QuantizedArray(jax.ShapeDtypeStruct((size // 2,), jnp.uint8), stats, stats)
+  requantized = functools.partial(
+    quantize.requantize_unselected, density=0.01, block_size=block_size, bits=4, bucket_size=512
+  )
+  text = _backend.lower_for_cuda(
+    requantized,
+    q,
+    jax.ShapeDtypeStruct((size,), jnp.float32),
+    jax.ShapeDtypeStruct((kept,), jnp.int16),
+    jax.ShapeDtypeStruct((kept,), jnp.float32),
+  )
+  assert ("mosaic_gpu" in text) == kernel
 
 
 def test_num_buckets():
