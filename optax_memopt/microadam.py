@@ -247,7 +247,7 @@ def scale_by_microadam(
       # g and e, not read back) with a[I] = 0.
       error = quantize.requantize_unselected(
         quantize.QuantizedArray(*error),
-        gradient.reshape(-1).astype(jnp.float32),
+        gradient.reshape(-1),
         selected,
         kept,
         density=density,
