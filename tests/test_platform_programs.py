@@ -16,7 +16,7 @@ from pallas_kernels import _backend, dispatch, xla_cpu
 
 # The ops the default step of each registered optimizer with kernels calls.
 OPS = {
-  "microadam": ("block_topk", "quantize", "dequantize"),
+  "microadam": ("block_topk", "requantize_unselected", "dequantize"),
   "taco": ("column_select",),
   "taco_one_segment": ("column_select",),
 }
