@@ -12,14 +12,17 @@ more coarsely than its parameter ("under-split").
 
 Each device count runs in its own process: the number of host-platform
 devices is fixed when JAX starts (``--xla_force_host_platform_device_count``).
-Prints a markdown table and writes ``results/sharding.json``.
+Prints a markdown table and writes the rows to ``--json``; benchmarks/README's
+table is ``--render`` of the committed ``benchmarks/data/sharding.json``.
 
-    python -m benchmarks.sharding
+    python -m benchmarks.sharding --json benchmarks/data/sharding.json
+    python -m benchmarks.sharding --render benchmarks/data/sharding.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -56,14 +59,12 @@ def make_mesh(n_devices: int, axis_type: AxisType = AxisType.Auto) -> Mesh:
   ``AxisType.Explicit`` makes it part of every array's type.
   """
   if n_devices > jax.device_count():
-    raise ValueError(
-        f"n_devices must be <= jax.device_count() = {jax.device_count()}; got {n_devices}."
-    )
+    raise ValueError(f"n_devices must be <= jax.device_count() = {jax.device_count()}; got {n_devices}.")
   return jax.make_mesh(
-      mesh_shape(n_devices),
-      MESH_AXES,
-      axis_types=(axis_type,) * len(MESH_AXES),
-      devices=jax.devices()[:n_devices],
+    mesh_shape(n_devices),
+    MESH_AXES,
+    axis_types=(axis_type,) * len(MESH_AXES),
+    devices=jax.devices()[:n_devices],
   )
 
 
@@ -113,8 +114,8 @@ def split_like_params_bytes(state: Any, params: Any, shardings: Any) -> float:
   """
   fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
   return sum(
-      state_nbytes(leaf) * (fractions[index] if index >= 0 else 1.0)
-      for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(owners(state, params)))
+    state_nbytes(leaf) * (fractions[index] if index >= 0 else 1.0)
+    for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(owners(state, params)))
   )
 
 
@@ -122,13 +123,11 @@ def under_split_leaves(state: Any, params: Any, shardings: Any, min_bytes: float
   """State leaves of at least ``min_bytes`` that a device holds more of than of their parameter."""
   fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
   return [
-      f"{jax.tree_util.keystr(path)} {leaf.shape} {leaf.dtype}: {leaf.sharding.spec}"
-      for (path, leaf), index in zip(
-          jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(owners(state, params))
-      )
-      if state_nbytes(leaf) >= min_bytes
-      and index >= 0
-      and shard_fraction(leaf.shape, leaf.sharding) > fractions[index]
+    f"{jax.tree_util.keystr(path)} {leaf.shape} {leaf.dtype}: {leaf.sharding.spec}"
+    for (path, leaf), index in zip(
+      jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(owners(state, params))
+    )
+    if state_nbytes(leaf) >= min_bytes and index >= 0 and shard_fraction(leaf.shape, leaf.sharding) > fractions[index]
   ]
 
 
@@ -138,29 +137,25 @@ def measure(optimizer: optax.GradientTransformation, params: Any, n_devices: int
   shardings = param_shardings(params, mesh)
   params = jax.device_put(params, shardings)
   abstract_state = jax.eval_shape(optimizer.init, params)
-  state = jax.jit(
-      optimizer.init, out_shardings=state_shardings(abstract_state, params, shardings, mesh)
-  )(params)
+  state = jax.jit(optimizer.init, out_shardings=state_shardings(abstract_state, params, shardings, mesh))(params)
   grads = jax.tree.map(lambda p: p * 1e-2, params)
   _, updated = jax.jit(optimizer.update)(grads, state, params)
   changed = [
-      jax.tree_util.keystr(path)
-      for (path, before), after in zip(
-          jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(updated)
-      )
-      if not after.sharding.is_equivalent_to(before.sharding, before.ndim)
+    jax.tree_util.keystr(path)
+    for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(updated))
+    if not after.sharding.is_equivalent_to(before.sharding, before.ndim)
   ]
   state = updated
   per_device = per_device_bytes(state)
   total = state_nbytes(state)
   return {
-      "devices": n_devices,
-      "mesh": dict(zip(MESH_AXES, mesh_shape(n_devices))),
-      "total_bytes": total,
-      "max_device_bytes": max(per_device.values()),
-      "split_like_params_bytes": split_like_params_bytes(state, params, shardings),
-      "under_split_leaves": under_split_leaves(state, params, shardings, 0.01 * total),
-      "sharding_changed_by_update": changed,
+    "devices": n_devices,
+    "mesh": dict(zip(MESH_AXES, mesh_shape(n_devices))),
+    "total_bytes": total,
+    "max_device_bytes": max(per_device.values()),
+    "split_like_params_bytes": split_like_params_bytes(state, params, shardings),
+    "under_split_leaves": under_split_leaves(state, params, shardings, 0.01 * total),
+    "sharding_changed_by_update": changed,
   }
 
 
@@ -175,12 +170,22 @@ def _measure_all(model: str, names: Sequence[str], n_devices: int) -> list[dict[
 
 def _run_with_devices(model: str, names: Sequence[str], n_devices: int) -> list[dict[str, Any]]:
   env = dict(
-      os.environ,
-      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}",
-      JAX_PLATFORMS="cpu",
+    os.environ,
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}",
+    JAX_PLATFORMS="cpu",
   )
-  command = [sys.executable, "-m", "benchmarks.sharding", "--model", model, "--devices", str(n_devices),
-             "--optimizers", *names, "--worker"]
+  command = [
+    sys.executable,
+    "-m",
+    "benchmarks.sharding",
+    "--model",
+    model,
+    "--devices",
+    str(n_devices),
+    "--optimizers",
+    *names,
+    "--worker",
+  ]
   done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
   if done.returncode:
     raise RuntimeError(f"{n_devices} devices failed:\n{done.stderr[-4000:]}")
@@ -192,9 +197,18 @@ def main(argv=None) -> None:
   parser.add_argument("--model", default="10M")
   parser.add_argument("--optimizers", nargs="+", default=list(optimizers.OPTIMIZERS))
   parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICE_COUNTS))
-  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument(
+    "--json",
+    type=pathlib.Path,
+    default=pathlib.Path("results/sharding.json"),
+    help="where the results go (the committed ones: benchmarks/data/sharding.json)",
+  )
+  parser.add_argument("--render", type=pathlib.Path, help="print the table of a results file and exit")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.render:
+    print(render(json.loads(args.render.read_text())))
+    return
 
   if args.worker:
     (n_devices,) = args.devices
@@ -204,25 +218,48 @@ def main(argv=None) -> None:
   rows = []
   for n_devices in args.devices:
     rows += _run_with_devices(args.model, args.optimizers, n_devices)
+  results = {
+    "model": args.model,
+    "devices": args.devices,
+    "optimizers": args.optimizers,
+    "date": datetime.date.today().isoformat(),
+    "jax": jax.__version__,
+    "rows": rows,
+  }
+  print(render(results))
+  args.json.parent.mkdir(parents=True, exist_ok=True)
+  args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def render(results: dict) -> str:
+  """The markdown table of a results file: largest per-device state in MB per device count."""
+  devices, rows = results["devices"], results["rows"]
   by_name = {(r["optimizer"], r["devices"]): r for r in rows}
-  last = args.devices[-1]
-  print(f"Largest per-device optimizer state in MB, {args.model} model ({rows[0]['n_params']:,}"
-        " parameters, fp32); (fsdp, tp) mesh " + ", ".join(f"{mesh_shape(n)}" for n in args.devices)
-        + "; vectors replicated.")
-  print("| optimizer | total MB | " + " | ".join(f"{n} device{'s' * (n > 1)}" for n in args.devices)
-        + f" | {last} devices / (total / {last}) | {last} devices / split like params"
-        + f" | under-split leaves at {last} | leaves resharded by an update |")
-  print("|---" * (len(args.devices) + 6) + "|")
-  for name in args.optimizers:
-    cells = [f"{by_name[name, n]['max_device_bytes'] / 1e6:.3f}" for n in args.devices]
+  last = devices[-1]
+  lines = [
+    f"Largest per-device optimizer state in MB, {results['model']} model ({rows[0]['n_params']:,}"
+    " parameters, fp32); (fsdp, tp) mesh "
+    + ", ".join(f"{mesh_shape(n)}" for n in devices)
+    + f"; vectors replicated ({results['date']}, JAX {results['jax']}).",
+    "",
+    "| optimizer | total MB | "
+    + " | ".join(f"{n} device{'s' * (n > 1)}" for n in devices)
+    + f" | {last} devices / (total / {last}) | {last} devices / split like params"
+    + f" | under-split leaves at {last} | leaves resharded by an update |",
+    "|---" * (len(devices) + 6) + "|",
+  ]
+  for name in results["optimizers"]:
+    cells = [f"{by_name[name, n]['max_device_bytes'] / 1e6:.3f}" for n in devices]
     row = by_name[name, last]
-    print(f"| {name} | {row['total_bytes'] / 1e6:.3f} | " + " | ".join(cells)
-          + f" | {row['max_device_bytes'] * last / row['total_bytes']:.3f}"
-          + f" | {row['max_device_bytes'] / row['split_like_params_bytes']:.3f}"
-          + f" | {len(row['under_split_leaves'])}"
-          + f" | {sum(len(by_name[name, n]['sharding_changed_by_update']) for n in args.devices)} |")
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "sharding.json").write_text(json.dumps(rows, indent=1))
+    lines.append(
+      f"| {name} | {row['total_bytes'] / 1e6:.3f} | "
+      + " | ".join(cells)
+      + f" | {row['max_device_bytes'] * last / row['total_bytes']:.3f}"
+      + f" | {row['max_device_bytes'] / row['split_like_params_bytes']:.3f}"
+      + f" | {len(row['under_split_leaves'])}"
+      + f" | {sum(len(by_name[name, n]['sharding_changed_by_update']) for n in devices)} |"
+    )
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,10 @@ def test_the_cpu_step_memory_table_is_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "cpu_step_memory.json").read_text())
   assert memory.render_step_peak(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_the_sharding_table_is_rendered_from_the_results():
+  from benchmarks import sharding
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "sharding.json").read_text())
+  assert sharding.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
