@@ -410,6 +410,7 @@ def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam(see
     (dict(eps=-1e-8), "eps"),
     (dict(implementation="cuda"), "implementation"),
     (dict(block_size=300, implementation="pallas"), "block_size"),
+    (dict(block_size=1280, bucket_size=512, implementation="pallas"), "bucket_size"),
   ],
 )
 def test_rejects_bad_hyperparameters_eagerly(kwargs, name):
