@@ -16,14 +16,14 @@ parameter, against 8 for fp32 Adam.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk, xla_cpu
+from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk
 
 ERROR_BITS = 4
 
@@ -266,7 +266,7 @@ def scale_by_microadam(
 
     # On XLA:CPU one leaf after another, so that one leaf's dense temporaries
     # (its error feedback and direction) are live at a time, not every leaf's.
-    per_leaf = xla_cpu.tree_map(update_leaf, updates, state.indices, state.values, *state.error)
+    per_leaf = leaves.map_steps(update_leaf, updates, state.indices, state.values, *state.error)
     directions, indices, values, *error = leaves.unzip(updates, per_leaf, 6)
     return directions, ScaleByMicroAdamState(count, indices, values, quantize.QuantizedArray(*error))
 
@@ -279,7 +279,7 @@ def microadam(
   b2: jax.typing.ArrayLike = 0.999,
   eps: jax.typing.ArrayLike = 1e-8,
   weight_decay: jax.typing.ArrayLike = 0.0,
-  mask=None,
+  mask: Any | Callable[[optax.Params], Any] | None = None,
   *,
   window: int = 10,
   density: float = 0.01,
