@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import lowbit_adamw_update as fused_step
+from pallas_kernels import lowbit_adamw_update
 
 _ALIASES = {"8bit": "adamw_8bit", "4bit": "adamw_4bit", "fp8": "adamw_fp8"}
 
@@ -81,7 +81,7 @@ def _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_
   hyperparameters.check_decay_rate("b1", b1)
   hyperparameters.check_decay_rate("b2", b2)
   hyperparameters.check_non_negative("eps", eps)
-  fused_step.check_state_format(state_format)
+  lowbit_adamw_update.check_state_format(state_format)
   hyperparameters.check_int("block_size", block_size, 1)
   hyperparameters.check_int("min_quantized_size", min_quantized_size, 0)
 
@@ -148,7 +148,7 @@ def scale_by_lowbit_adam(
     Dettmers et al., ICLR 2022 (https://arxiv.org/abs/2110.02861); Li, Chen
     and Zhu, NeurIPS 2023 (https://arxiv.org/abs/2309.01507).
   """
-  state_spec = fused_step.check_state_format(state_format)
+  state_spec = lowbit_adamw_update.check_state_format(state_format)
   if block_size is None:
     block_size = state_spec.block_size
   _check_hyperparameters(b1, b2, eps, state_format, block_size, min_quantized_size)
@@ -162,10 +162,10 @@ def scale_by_lowbit_adam(
 
     def init_leaf(param):
       if quantized(param):
-        return fused_step.zero_moments(param.shape, state_format=state_format, block_size=block_size)
+        return lowbit_adamw_update.zero_moments(param.shape, state_format=state_format, block_size=block_size)
       # Two buffers: one array in two state leaves cannot be donated.
       mu, nu = (jnp.zeros(param.shape, jnp.float32) for _ in range(2))
-      return fused_step.LowbitMoments(mu, nu, None, None)
+      return lowbit_adamw_update.LowbitMoments(mu, nu, None, None)
 
     per_leaf, treedef = jax.tree.flatten(params)
     fields = zip(*(init_leaf(p) for p in per_leaf)) if per_leaf else [()] * 4
@@ -177,9 +177,9 @@ def scale_by_lowbit_adam(
 
     def update_leaf(grad, mu, nu, mu_scales, nu_scales):
       if quantized(grad):
-        direction, moments = fused_step.lowbit_adamw_update(
+        direction, moments = lowbit_adamw_update.lowbit_adamw_update(
           grad,
-          fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales),
+          lowbit_adamw_update.LowbitMoments(mu, nu, mu_scales, nu_scales),
           count=count,
           b1=b1,
           b2=b2,
@@ -188,9 +188,9 @@ def scale_by_lowbit_adam(
           block_size=block_size,
         )
         return direction, moments
-      mu, nu = fused_step.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
-      direction = fused_step.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
-      return direction.astype(grad.dtype), fused_step.LowbitMoments(mu, nu, mu_scales, nu_scales)
+      mu, nu = lowbit_adamw_update.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
+      direction = lowbit_adamw_update.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
+      return direction.astype(grad.dtype), lowbit_adamw_update.LowbitMoments(mu, nu, mu_scales, nu_scales)
 
     directions, moments = leaves.unzip(updates, leaves.map_steps(update_leaf, updates, *state[1:]), 2)
     return directions, ScaleByLowbitAdamState(count, *leaves.unzip(updates, moments, 4))
@@ -203,7 +203,7 @@ def scale_by_lowbit_adam(
 def _alias(state_format: str, *, what: str, state_bytes: str, reference: str):
   """The alias of ``state_format`` (``adamw_8bit``, ...), documented by ``_ALIAS_DOC``."""
   name = _ALIASES[state_format]
-  default_block_size = fused_step.STATE_FORMATS[state_format].block_size
+  default_block_size = lowbit_adamw_update.STATE_FORMATS[state_format].block_size
 
   def alias(
     learning_rate: optax.ScalarOrSchedule,

@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import packing as planar
 from pallas_kernels import static_args
 from pallas_kernels.blocks import blocks_shape
+from pallas_kernels.packing import combine_planes
 
 PACKINGS = ("base3", "2bit")
 # Blocks smaller than a 128-element slice: each slice holds whole ones.
@@ -195,7 +195,7 @@ def pack_blocks(codes: jax.Array, layout: Layout) -> jax.Array:
   rows = codes.astype(jnp.uint8).reshape(*blocks, block_size // _PACKING_ROW, _PACKING_ROW)
   slots = jnp.pad(rows, [(0, 0)] * len(blocks) + [(0, 1), (0, 0)], constant_values=1)
   slots = slots.reshape(*blocks, block_size + _PACKING_ROW)
-  return planar.combine_planes([slots[..., p * width : (p + 1) * width] for p in range(layout.planes)], layout.base)
+  return combine_planes([slots[..., p * width : (p + 1) * width] for p in range(layout.planes)], layout.base)
 
 
 # The largest row of blocks whose place values unpack_blocks tiles (a

@@ -115,10 +115,9 @@ def numpy_adamw(kind, params, grads_per_step, *, lr, b1, b2, eps, weight_decay, 
 
 def decoded_moments(kind, state, name, block_size):
   """The stored moments of one parameter, decoded through the public map codes."""
-  from pallas_kernels import lowbit_adamw_update as fused_step
-  from pallas_kernels import map_codes
+  from pallas_kernels import lowbit_adamw_update, map_codes
 
-  state_format = fused_step.STATE_FORMATS[kind.split("_")[1]]
+  state_format = lowbit_adamw_update.STATE_FORMATS[kind.split("_")[1]]
   mu, nu = state.mu_or_paired[name], state.nu[name]
   if mu.dtype == jnp.float32:
     return np.asarray(mu), np.asarray(nu)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import lowbit_adamw_update as fused_step
+from pallas_kernels import lowbit_adamw_update
 
 
 def test_moments_of_another_layout_are_refused_naming_the_field():
   grad = jnp.ones((4, 256))
-  moments = fused_step.zero_moments((4, 128), state_format="fp8", block_size=128)
+  moments = lowbit_adamw_update.zero_moments((4, 128), state_format="fp8", block_size=128)
   with pytest.raises(ValueError, match=r"^moments.mu must be float8_e4m3fn\[4, 256\]"):
-    fused_step.lowbit_adamw_update(
+    lowbit_adamw_update.lowbit_adamw_update(
       grad,
       moments,
       count=1,
