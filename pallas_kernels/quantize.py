@@ -175,6 +175,16 @@ def _inverse_step(step: jax.Array) -> jax.Array:
   return jnp.where(step >= _SMALLEST_NORMAL_STEP, 1.0 / safe_step, 0.0)
 
 
+def _store_bucket_statistics(lowest, highest, min_ref, max_ref, b, stats_dtype, bits):
+  """In a kernel: bucket ``b``'s minimum and maximum of its elementwise bounds, rounded outward
+  to ``stats_dtype`` and stored at ``[b, 0, 0]``; returns the minimum and ``1 / step`` (float32)."""
+  minimum = jnp.min(_round_outward(lowest, stats_dtype, upward=False))
+  maximum = jnp.max(_round_outward(highest, stats_dtype, upward=True))
+  min_ref[b, 0, 0] = minimum.astype(stats_dtype)
+  max_ref[b, 0, 0] = maximum.astype(stats_dtype)
+  return minimum, _inverse_step(_step(minimum, maximum, bits))
+
+
 def _encode(values: jax.Array, minimum: jax.Array, inverse_step: jax.Array, bits: int) -> jax.Array:
   """Codes as float32 integers in ``[0, 2**bits - 1]``."""
   return jnp.clip(jnp.round((values - minimum) * inverse_step), 0, _levels(bits))
@@ -385,11 +395,7 @@ def _quantize_kernel(*refs: Any, bits: int, bucket_size: int, rows: int, stats_d
 
     # Elementwise bounds over the rows, then one reduction per bucket.
     lowest, highest = lax.fori_loop(1, rows, widen, (first, first))
-    minimum = jnp.min(_round_outward(lowest, stats_dtype, upward=False))
-    maximum = jnp.max(_round_outward(highest, stats_dtype, upward=True))
-    min_ref[b, 0, 0] = minimum.astype(stats_dtype)
-    max_ref[b, 0, 0] = maximum.astype(stats_dtype)
-    inverse_step = _inverse_step(_step(minimum, maximum, bits))
+    minimum, inverse_step = _store_bucket_statistics(lowest, highest, min_ref, max_ref, b, stats_dtype, bits)
 
     def write_row(r, carry):
       halves = [x_ref[b, r, _half(h)].astype(jnp.float32) for h in range(2)]
@@ -516,11 +522,7 @@ def _requantize_kernel(
 
   # Elementwise bounds over the rows, then one reduction per bucket.
   lowest, highest = lax.fori_loop(1, rows, widen, widen(0, None))
-  minimum = jnp.min(_round_outward(lowest, stats_dtype, upward=False))
-  maximum = jnp.max(_round_outward(highest, stats_dtype, upward=True))
-  min_out_ref[b, 0, 0] = minimum.astype(stats_dtype)
-  max_out_ref[b, 0, 0] = maximum.astype(stats_dtype)
-  inverse_step = _inverse_step(_step(minimum, maximum, bits))
+  minimum, inverse_step = _store_bucket_statistics(lowest, highest, min_out_ref, max_out_ref, b, stats_dtype, bits)
 
   def write_row(r, carry):
     codes = [_encode(x, minimum, inverse_step, bits) for x, _ in row_values(r)]
