@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import dispatch, microadam_update, quantize, static_args, topk
+from pallas_kernels import dispatch, feedback_topk, microadam_update, quantize, static_args, topk
 
 ERROR_BITS = 4
 
@@ -73,10 +73,10 @@ def _check_hyperparameters(
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
   quantize.num_buckets(0, bucket_size)
   dispatch.check(implementation)
-  if implementation in ("pallas", "interpret") and block_size % topk.KERNEL_ROW:
+  if implementation in ("pallas", "interpret") and (block_size < quantize.ROW or block_size & (block_size - 1)):
     raise ValueError(
-      f"block_size must be a multiple of {topk.KERNEL_ROW} for the Pallas top-k kernel (a block is"
-      f" whole rows of {topk.KERNEL_ROW}); got {block_size}. Use implementation='xla' for other block sizes."
+      f"block_size must be a power of two of at least {quantize.ROW} for the Pallas top-k kernel (Triton's block"
+      f" shapes); got {block_size}. Use implementation='xla' for other block sizes."
     )
   if implementation in ("pallas", "interpret") and (bucket_size % quantize.ROW or block_size % bucket_size):
     raise ValueError(
@@ -159,7 +159,7 @@ def scale_by_microadam(
     window: number of sparse gradients kept (``m``), ``>= 1``.
     density: fraction of each block kept by top-k, in ``(0, 1]``.
     block_size: elements per top-k block, in ``[1, 32768]``; the Pallas
-      top-k kernel needs a multiple of 256.
+      top-k kernel needs a power of two ``>= 256``.
     bucket_size: elements per min/max statistic of the error feedback: a
       positive multiple of 256, or 32, 64 or 128.
     implementation: ``None`` (each op's default for the device,
@@ -229,17 +229,16 @@ def scale_by_microadam(
     ring_row = (count - 1) % window
 
     def update_leaf(gradient, indices, values, *error):
-      # Error feedback: a = g + dequant(e).
-      accumulated = quantize.dequantize_add(
+      # Error feedback a = g + dequant(e), and the block top-k of |a|, which
+      # goes to this step's ring row.
+      selected, kept = feedback_topk.feedback_topk(
         quantize.QuantizedArray(*error),
-        gradient.reshape(-1).astype(jnp.float32),
+        gradient,
+        density=density,
+        block_size=block_size,
         bits=ERROR_BITS,
         bucket_size=bucket_size,
         implementation=implementation,
-      )
-      # The block top-k of |a| goes to this step's ring row.
-      selected, kept = topk.block_topk(
-        accumulated, density=density, block_size=block_size, implementation=implementation
       )
       indices = indices.at[ring_row].set(selected)
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))

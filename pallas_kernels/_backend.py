@@ -36,18 +36,56 @@ def mosaic_gpu_kernel(
   grid_names: tuple[str, ...],
   interpret: bool,
   scratch_types: Any = (),
+  in_place: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-  """``plgpu.kernel``, lowered for Mosaic GPU or run by its interpreter."""
+  """``plgpu.kernel``, lowered for Mosaic GPU or run by its interpreter.
+
+  ``in_place`` lists operands the kernel overwrites: the body gets each one's
+  ref again as an output, before ``out_type``'s, and the call returns their
+  new values first (``out_type`` must then be a tuple). Compiled, they are
+  passed as ``jax.Ref`` s, which the custom call updates in the operand's
+  buffer (no copy where the operand is donated); the interpreter, which
+  takes no refs, writes them to new arrays, the body being the same.
+  """
+  from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  return plgpu.kernel(
-    body,
-    out_type=out_type,
-    scratch_types=scratch_types,
-    grid=grid,
-    grid_names=grid_names,
-    interpret=gpu_interpreter() if interpret else None,
-  )
+  if not in_place:
+    return plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch_types,
+      grid=grid,
+      grid_names=grid_names,
+      interpret=gpu_interpreter() if interpret else None,
+    )
+
+  def call(*operands):
+    if interpret:
+      overwritten = tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype) for i in in_place)
+      return mosaic_gpu_kernel(
+        body,
+        out_type=overwritten + tuple(out_type),
+        grid=grid,
+        grid_names=grid_names,
+        interpret=True,
+        scratch_types=scratch_types,
+      )(*operands)
+    refs = [jax.new_ref(x) if i in in_place else x for i, x in enumerate(operands)]
+
+    def aliased_body(*kernel_refs):
+      inputs = kernel_refs[: len(operands)]
+      return body(*inputs, *(inputs[i] for i in in_place), *kernel_refs[len(operands) :])
+
+    outputs = pl.kernel(
+      aliased_body,
+      out_type=tuple(out_type),
+      mesh=plgpu.Mesh(grid=grid, grid_names=grid_names),
+      scratch_types=scratch_types,
+    )(*refs)
+    return (*(jax.freeze(refs[i]) for i in in_place), *outputs)
+
+  return call
 
 
 def cuda_lowering_context() -> contextlib.AbstractContextManager[Any]:
@@ -72,6 +110,7 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
 
 
 MOSAIC_GPU_CALL = "mosaic_gpu"
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 class LoweringExample(NamedTuple):
@@ -82,6 +121,6 @@ class LoweringExample(NamedTuple):
   """
 
   name: str
-  backend: str  # MOSAIC_GPU_CALL: the custom call to expect in the lowered program.
+  backend: str  # MOSAIC_GPU_CALL or TRITON_CALL: the custom call to expect in the lowered program.
   fn: Callable[..., Any]
   args: tuple[Any, ...]

@@ -10,9 +10,10 @@ Every op of ``pallas_kernels`` takes ``implementation=``:
   never from the process's default backend, so that a program compiled for a
   GPU from a CPU host is the GPU's program;
 * ``"xla"``: the jnp/XLA path (any backend);
-* ``"pallas"``: the Mosaic GPU kernel; fails loudly where it cannot run
+* ``"pallas"``: the op's kernel (Mosaic GPU; Triton where Mosaic GPU
+  cannot express it, as its module says); fails loudly where it cannot run
   rather than falling back;
-* ``"interpret"``: the kernel in the Mosaic GPU interpreter on the CPU, for
+* ``"interpret"``: the kernel in its Pallas interpreter on the CPU, for
   tests.
 """
 
@@ -37,6 +38,10 @@ FASTER_ON_HOPPER: dict[str, bool] = {
   # kernel writing the decoded values out (MicroAdam's step, H100 compile).
   "dequantize": False,
   "column_select": True,
+  # MicroAdam's selection reading the gradient and the error codes once, where
+  # XLA's exact two-stage top-k reads them twice and sorts (H100 compile;
+  # not yet timed on a GPU).
+  "feedback_topk": True,
 }
 
 # Mosaic GPU targets Hopper (sm_90) and newer; older GPUs take the XLA path.

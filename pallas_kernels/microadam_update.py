@@ -25,10 +25,12 @@ with ``u = 0`` where no row has an entry (``S = 0``).
 platform: each block's ``window * k`` entries are sorted by index (a row
 holds an index at most once, so an index's entries are at most ``window``
 adjacent ones), summed per index with per-row weights folded with ``c_1``
-and ``c_2`` (``window_weights``). The dense update is then read from the
-finished directions through a map of slots (per element, 1 + the entry of
-its index, 0 where it has none; int16), which is narrower than the update
-and is all that is scattered.
+and ``c_2`` (``window_weights``). The finished directions are compacted, one
+per distinct index in index order, and the dense update reads them through
+a rank structure: a bitmap of the indices present and, per 32-element word,
+how many are present before it (``offsets[w] + popcount(bitmap[w] &
+below)``): a quarter of a byte per element (a bit, and an int32 per 32),
+where a map of int16 slots took 2.
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -187,15 +189,67 @@ def _sorted_by_index(local: jax.Array, block_size: int) -> tuple[jax.Array, jax.
   return lax.sort((local, entry), dimension=1, num_keys=1, is_stable=True)
 
 
+_WORD = 32
+
+
+def _compact_by_index(local: jax.Array, direction: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each block's directions, one per distinct index in index order, and the rank structure that finds them.
+
+  ``local`` holds each block's entries sorted by index, ``direction`` the
+  finished direction at the first entry of each index's run. A bitmap of
+  the indices present (one bit per element, 32 per word) and, per word, the
+  number of indices present before it (``offsets``) give an index's rank
+  among the distinct ones, ``offsets[w] + popcount(bitmap[w] & below)``:
+  a quarter of a byte per element, where a map of int16 slots would take 2.
+
+  Returns:
+    ``(directions [blocks * n], bitmap [blocks, words] uint32, offsets
+    [blocks, words] int32)``; block ``b``'s directions start at ``b * n``,
+    0 beyond its distinct indices.
+  """
+  n_blocks, n_entries = local.shape
+  words = -(-width // _WORD)
+  previous = jnp.pad(local[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  first = local != previous
+  block = lax.broadcasted_iota(jnp.int32, local.shape, 0)
+  word = block * words + local // _WORD
+  bit = lax.shift_left(jnp.uint32(1), (local % _WORD).astype(jnp.uint32))
+  # Flat indices: XLA materializes the index tuples of a two-dimensional
+  # gather or scatter. Distinct indices set distinct bits, so adding them is
+  # or-ing them; later entries of a run aim past the end and are dropped.
+  bitmap = jnp.zeros((n_blocks * words,), jnp.uint32).at[jnp.where(first, word, n_blocks * words)].add(bit, mode="drop")
+  counts = lax.population_count(bitmap).reshape(n_blocks, words).astype(jnp.int32)
+  offsets = jnp.cumsum(counts, axis=1) - counts
+  below = lax.population_count(bitmap[word] & (bit - jnp.uint32(1))).astype(jnp.int32)
+  rank = block * n_entries + offsets.reshape(-1)[word] + below
+  directions = jnp.zeros((n_blocks * n_entries,), jnp.float32)
+  directions = directions.at[jnp.where(first, rank, n_blocks * n_entries)].set(direction, mode="drop")
+  return directions, bitmap.reshape(n_blocks, words), offsets
+
+
+def _read_dense(directions: jax.Array, bitmap: jax.Array, offsets: jax.Array, width: int) -> jax.Array:
+  """The dense ``[blocks, width]`` update: an element's direction where its index is present, else 0."""
+  n_blocks, words = bitmap.shape
+  n_entries = directions.size // n_blocks
+  shape = (n_blocks, words, _WORD)
+  lane = lax.broadcasted_iota(jnp.uint32, shape, 2)
+  bits = jnp.broadcast_to(bitmap[:, :, None], shape)
+  present = (lax.shift_right_logical(bits, lane) & jnp.uint32(1)) != 0
+  below = lax.population_count(bits & (lax.shift_left(jnp.uint32(1), lane) - jnp.uint32(1))).astype(jnp.int32)
+  block = lax.broadcasted_iota(jnp.int32, shape, 0)
+  rank = jnp.where(present, block * n_entries + offsets[:, :, None] + below, 0)
+  dense = jnp.where(present, directions[rank], 0.0)
+  return dense.reshape(n_blocks, words * _WORD)[:, :width]
+
+
 def _update_xla(indices, values, weights, eps, *, size, block_size, k):
-  """The direction at the window's entries only, read densely through a map of slots.
+  """The direction at the window's entries only, read densely through a bitmap rank.
 
   ``M`` and ``S`` are summed per block-local index over the entries of a
   block (sorted by index, equal indices adjacent: a row holds an index at
   most once, so an index's entries are at most ``window`` consecutive
-  ones; the first holds the sums). The only dense arrays are the slots
-  (int16 where a block's entries fit) and the update, gathered from the
-  block's directions by them.
+  ones; the first holds the sums). The only dense array is the update,
+  gathered from the block's compacted directions (``_compact_by_index``).
   """
   window = indices.shape[0]
   full_blocks = size // block_size
@@ -220,21 +274,9 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
       for m, padded in enumerate((padded_first, padded_second)):
         term = lax.slice_in_dim(padded, shift, shift + local.shape[1], axis=1)
         moments[m] = moments[m] + jnp.where(same, term, 0.0)
-    # Each element's slot: 1 + the first entry of its index's run, 0 where
-    # no entry has its index (the direction 0 there). Slots are narrower
-    # than the direction, and the direction is read from them by the
-    # update's one dense writer.
     width = min(block_size, size - first_block * block_size)
-    n_entries = local.shape[1]
-    slot_dtype = jnp.int16 if n_entries < jnp.iinfo(jnp.int16).max else jnp.int32
-    previous = jnp.pad(local[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    block = lax.broadcasted_iota(jnp.int32, local.shape, 0)
-    slot = lax.broadcasted_iota(slot_dtype, local.shape, 1) + 1
-    # Later entries of a run aim past the end and are dropped by the scatter.
-    column = jnp.where(local != previous, local, width)
-    slots = jnp.zeros((local.shape[0], width), slot_dtype).at[block, column].set(slot, mode="drop")
-    direction = jnp.pad(_update_from_moments(*moments, eps), ((0, 0), (1, 0)))
-    dense.append(jnp.take_along_axis(direction, slots.astype(jnp.int32), axis=1).reshape(-1))
+    directions, bitmap, offsets = _compact_by_index(local, _update_from_moments(*moments, eps), width)
+    dense.append(_read_dense(directions, bitmap, offsets, width).reshape(-1))
   if not dense:
     return jnp.zeros((0,), jnp.float32)
   return jnp.concatenate(dense)

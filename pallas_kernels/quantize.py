@@ -194,6 +194,12 @@ def _decode(codes: jax.Array, minimum: jax.Array, step: jax.Array) -> jax.Array:
   return minimum + codes.astype(jnp.float32) * step
 
 
+def decode_values(codes: jax.Array, minimum: jax.Array, maximum: jax.Array, *, bits: int) -> jax.Array:
+  """``min + q * s`` in float32, each code with its bucket's statistics, as every implementation decodes."""
+  minimum = minimum.astype(jnp.float32)
+  return _decode(codes, minimum, _step(minimum, maximum.astype(jnp.float32), bits))
+
+
 def _packing_args(bits: int) -> dict[str, int]:
   return {"base": 2**bits, "planes": 8 // bits}
 
@@ -666,13 +672,14 @@ def _requantize_pallas(
   kernel = _backend.mosaic_gpu_kernel(
     functools.partial(_requantize_kernel, bits=bits, rows=blocks.rows, stats_dtype=stats_dtype),
     out_type=(
-      jax.ShapeDtypeStruct(codes.shape, jnp.uint8),
       jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype),
       jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype),
     ),
     grid=(blocks.count,),
     grid_names=(_GRID_AXIS,),
     interpret=interpret,
+    # Each program reads a row of its bucket's codes before writing it.
+    in_place=(0,),
   )
   new_codes, new_minimum, new_maximum = kernel(
     codes,
@@ -784,6 +791,14 @@ def _check_quantized(q: Any, size: int, bits: int, bucket_size: int) -> None:
       f" {q.codes.dtype}{q.codes.shape}, minimum {q.minimum.dtype}{q.minimum.shape},"
       f" maximum {q.maximum.dtype}{q.maximum.shape}."
     )
+
+
+def check_quantized(q: Any, *, size: int, bits: int, bucket_size: int) -> None:
+  """Raises ``ValueError`` naming the culprit unless ``q`` is ``quantize``'s output for ``size`` elements."""
+  _check_bits(bits)
+  _check_size(size)
+  _check_bucket_size(bucket_size)
+  _check_quantized(q, size, bits, bucket_size)
 
 
 def _dequantize_flat(
