@@ -14,11 +14,11 @@ import pytest
 from optax_memopt.training.optimizers import OPTIMIZERS
 from pallas_kernels import _backend, dispatch, xla_cpu
 
-# The ops the default step of each registered optimizer with kernels calls.
+# The ops with kernels the default step of each registered optimizer calls, and their kernels' custom calls.
 OPS = {
-  "microadam": ("block_topk", "requantize_unselected", "dequantize"),
-  "taco": ("column_select",),
-  "taco_one_segment": ("column_select",),
+  "microadam": {"feedback_topk": _backend.TRITON_CALL, "requantize_unselected": _backend.MOSAIC_GPU_CALL},
+  "taco": {"column_select": _backend.MOSAIC_GPU_CALL},
+  "taco_one_segment": {"column_select": _backend.MOSAIC_GPU_CALL},
 }
 # TACO with one segment per row selects by a plain top-k: nothing to aid.
 WITHOUT_CPU_AIDS = {"taco_one_segment"}
@@ -45,14 +45,15 @@ def test_the_cuda_program_holds_the_tables_kernels_and_no_cpu_aid(monkeypatch, n
   monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   text = _lowered_step(name, "cuda")
   assert xla_cpu.SCOPE not in text
-  assert (_backend.MOSAIC_GPU_CALL in text) == any(dispatch.FASTER_ON_HOPPER[op] for op in OPS[name])
+  for call in set(OPS[name].values()):
+    assert (call in text) == any(dispatch.FASTER_ON_HOPPER[op] for op, c in OPS[name].items() if c == call), call
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_the_cpu_program_holds_the_cpu_aids_and_no_kernel(monkeypatch, name):
   monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
   text = _lowered_step(name, "cpu")
-  assert _backend.MOSAIC_GPU_CALL not in text
+  assert _backend.MOSAIC_GPU_CALL not in text and _backend.TRITON_CALL not in text
   assert (xla_cpu.SCOPE in text) == (name not in WITHOUT_CPU_AIDS)
 
 
