@@ -313,16 +313,30 @@ def render(results: dict, optimizer_names=NAMES) -> str:
   return "\n\n".join(parts)
 
 
-def quality_cell(results: dict, optimizer: str, size: str = "small") -> str:
-  """README's "fine-tuning: validation loss vs AdamW" cell for ``optimizer``, from the results."""
-  rows = {r.optimizer: r for r in rows_of(results, size, "finetune")} if runs_of(results, size, "finetune") else {}
+def _quality_at(results: dict, optimizer: str, size: str) -> str | None:
+  """The gap to AdamW fine-tuning the ``size`` model, or None until both sweeps are finished."""
+  rows = {r.optimizer: r for r in rows_of(results, size, "finetune")}
   if any(name not in rows or not rows[name].finished for name in (optimizer, BASE_OPTIMIZER)):
-    return "not measured yet"
+    return None
   row = rows[optimizer]
   if optimizer == BASE_OPTIMIZER:
     return f"+0.000 (loss {row.validation_loss:.3f})"
   text = _plus_minus(*gap_to(row, rows[BASE_OPTIMIZER]))
   return f"{text} (best rate at the grid's edge)" if row.at_edge else text
+
+
+def quality_cell(results: dict, optimizer: str) -> str:
+  """README's "fine-tuning: validation loss vs AdamW" cell for ``optimizer``, from the results.
+
+  The small model's gap, then each larger model's where its sweep and
+  AdamW's there are finished (``; 3.3M parameters: ...``).
+  """
+  cell = _quality_at(results, optimizer, "small") or "not measured yet"
+  for size in [s for s in results["protocol"]["sizes"] if s != "small"]:
+    larger = _quality_at(results, optimizer, size)
+    if larger is not None:
+      cell += f"; {results['protocol']['n_params'][size] / 1e6:.1f}M parameters: {larger}"
+  return cell
 
 
 def plot(results: dict) -> list[pathlib.Path]:
@@ -511,11 +525,10 @@ def seconds_per_run(results: dict, name: str, size: str, task: str, pace=np.medi
   if not math.isfinite(seconds):
     base = size if size in measured else measured[0]
     seconds = per_step(BASE_OPTIMIZER, base) * ratio * n_params[size] / n_params[base]
-  overhead = [
-    r["seconds"] - r["ms_per_step"] / 1e3 * PROTOCOL[r["size"]][r["task"]].steps
-    for r in results["runs"]
-    if r["ms_per_step"] is not None
-  ]
+  timed = [r for r in results["runs"] if r["ms_per_step"] is not None]
+  # Compiling and evaluating take longer for a larger model: this size's runs where there are any.
+  timed = [r for r in timed if r["size"] == size] or timed
+  overhead = [r["seconds"] - r["ms_per_step"] / 1e3 * PROTOCOL[r["size"]][r["task"]].steps for r in timed]
   return PROTOCOL[size][task].steps * seconds + float(pace(overhead))
 
 
@@ -523,18 +536,24 @@ def estimate(results: dict, names, rates_per_sweep: int = 4) -> str:
   """The full protocol's time: the runs done as measured, the rest at :func:`seconds_per_run`.
 
   A sweep not finished is reckoned at ``rates_per_sweep`` rates (the three
-  it starts with and one more), or one more rate than it has.
+  it starts with and one more), or one more rate than it has. The last
+  figure is every run, done or not, at the fastest pace measured: the
+  protocol's time on an idle machine, whatever else shared the cores.
   """
-  lines, done, left, idle = [], 0.0, 0.0, 0.0
+  lines, done, left, idle, whole_idle = [], 0.0, 0.0, 0.0, 0.0
   for size in SIZES:
     base = results["bases"].get(size, {})
     done += base.get("seconds", 0.0)
-    if "seconds" not in base:  # AdamW's pre-training, reckoned as a long fine-tuning run.
-      for pace, total in ((np.median, "left"), (np.min, "idle")):
-        extra = seconds_per_run(results, BASE_OPTIMIZER, size, "finetune", pace) * (
-          BASE_PRETRAIN_STEPS[size] / PROTOCOL[size]["finetune"].steps
-        )
-        left, idle = (left + extra, idle) if total == "left" else (left, idle + extra)
+    # AdamW's pre-training, reckoned as a long fine-tuning run.
+    base_seconds = {
+      pace: seconds_per_run(results, BASE_OPTIMIZER, size, "finetune", pace)
+      * (BASE_PRETRAIN_STEPS[size] / PROTOCOL[size]["finetune"].steps)
+      for pace in (np.median, np.min)
+    }
+    whole_idle += base_seconds[np.min]
+    if "seconds" not in base:
+      left += base_seconds[np.median]
+      idle += base_seconds[np.min]
     for task in PROTOCOL[size]:
       for name in [n for n in names if n in (PROTOCOL[size][task].optimizers or names)]:
         runs = runs_of(results, size, task, name)
@@ -544,12 +563,14 @@ def estimate(results: dict, names, rates_per_sweep: int = 4) -> str:
         to_run = 0 if row is not None and row.finished else max(rates_per_sweep, rates + 1) * seeds - len(runs)
         seconds = to_run * seconds_per_run(results, name, size, task) if to_run else 0.0
         idle += to_run * seconds_per_run(results, name, size, task, np.min) if to_run else 0.0
+        whole_idle += (len(runs) + to_run) * seconds_per_run(results, name, size, task, np.min)
         done += sum(r["seconds"] for r in runs)
         left += seconds
         lines.append(f"  {size} {task} {name}: {len(runs)} runs done, about {to_run} to go ({seconds / 60:.0f} min)")
   lines.append(
     f"done: {done / 3600:.1f} h. To go: {left / 3600:.1f} h at the median pace measured,"
-    f" {idle / 3600:.1f} h at the fastest (an idle machine)."
+    f" {idle / 3600:.1f} h at the fastest (an idle machine). The whole protocol at the fastest pace:"
+    f" {whole_idle / 3600:.1f} h."
   )
   return "\n".join(lines)
 

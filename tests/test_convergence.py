@@ -15,9 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2)
 
 
-def fake_run(optimizer, exponent, seed, loss, *, task="finetune", seconds=10.0):
+def fake_run(optimizer, exponent, seed, loss, *, task="finetune", seconds=10.0, size="small"):
   return {
-    "size": "small",
+    "size": size,
     "task": task,
     "optimizer": optimizer,
     "exponent": exponent,
@@ -129,6 +129,23 @@ def test_the_readmes_quality_cell_waits_for_both_sweeps():
   assert convergence.quality_cell(fake_results(finished_adamw + other[:6]), "other") == "not measured yet"
   assert convergence.quality_cell(fake_results(finished_adamw[3:] + other), "other") == "not measured yet"
   assert convergence.quality_cell(fake_results(finished_adamw), "third") == "not measured yet"
+
+
+def test_the_readmes_quality_cell_adds_the_larger_model_once_both_its_sweeps_finish():
+  results = fake_results(sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9}) + sweep("other", {-1: 2.1, 0: 2.0, 1: 2.05}))
+  results["protocol"]["sizes"]["large"] = results["protocol"]["sizes"]["small"]
+  results["protocol"]["n_params"]["large"] = 3_300_000
+  large = [
+    fake_run(name, e, s, loss + offset, size="large")
+    for name, losses in (("adamw", {-1: 1.9, 0: 1.7, 1: 1.75}), ("other", {-1: 1.85, 0: 1.8, 1: 1.82}))
+    for e, loss in losses.items()
+    for s, offset in zip(SEEDS, (0.0, 0.01, -0.01))
+  ]
+  results["runs"] += large[:12]  # the other optimizer's large sweep unfinished
+  assert convergence.quality_cell(results, "other") == "+0.200 ± 0.000"
+  assert convergence.quality_cell(results, "adamw") == "+0.000 (loss 1.800); 3.3M parameters: +0.000 (loss 1.700)"
+  results["runs"] += large[12:]
+  assert convergence.quality_cell(results, "other") == "+0.200 ± 0.000; 3.3M parameters: +0.100 ± 0.000"
 
 
 def test_pending_finishes_a_rate_before_deciding_the_next():
