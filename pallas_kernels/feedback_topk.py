@@ -130,8 +130,10 @@ def _pallas_full_blocks(q, flat, *, full_blocks, k, block_size, bits, bucket_siz
       pl.BlockSpec((1, buckets), lambda b: (b, 0)),
     ],
     out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
-    # A block's tensors are spread over the threads: 32 elements each.
-    compiler_params=pltriton.CompilerParams(num_warps=max(1, min(16, block_size // 1024))),
+    # A block's tensors spread over up to 1024 threads, 16 elements each: at
+    # block 16384 ptxas gives 64 registers and spills 120 bytes a thread
+    # (16 warps: 128 registers, 164 bytes).
+    compiler_params=pltriton.CompilerParams(num_warps=max(1, min(32, block_size // 512))),
     interpret=interpret,
   )
   indices, values = kernel(y, codes, minimum, maximum)
