@@ -100,6 +100,15 @@ def test_ties_at_the_threshold_take_the_lowest_indices():
     np.testing.assert_array_equal(values, np.tile([1.0, -1.0], 6))
 
 
+@pytest.mark.parametrize("implementation", [None, "xla", "interpret"])
+def test_an_empty_input_gives_an_empty_selection(implementation):
+  q = quantize.quantize(jnp.zeros((0, 4)), bits=4, bucket_size=256)
+  indices, values = feedback_topk.feedback_topk(
+    q, jnp.zeros((0, 4)), density=0.05, block_size=256, bucket_size=256, implementation=implementation
+  )
+  assert indices.shape == values.shape == (0,)
+
+
 @pytest.mark.parametrize(
   "kwargs, argument",
   [
