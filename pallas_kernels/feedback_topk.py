@@ -50,8 +50,6 @@ from pallas_kernels import _backend, dispatch, packing, quantize, static_args, t
 
 # Elements per row of a block as the kernel reads ``y``: one packed 4-bit row.
 _ROW = quantize.ROW
-# Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
-_KEY_BITS = 31
 
 
 def feedback_topk_reference(
@@ -92,16 +90,9 @@ def _kernel(y_ref, codes_ref, min_ref, max_ref, indices_ref, values_ref, *, k, b
   decoded = quantize.decode_values(code, min_ref[0, bucket], max_ref[0, bucket], bits=bits)
   x = y_ref[0].reshape(rows * _ROW).astype(jnp.float32) + decoded
   key = topk.magnitude_key(x)
-
-  def bisect(bit, threshold):
-    candidate = threshold + lax.shift_left(jnp.int32(1), _KEY_BITS - 1 - bit)
-    return jnp.where(jnp.sum((key >= candidate).astype(jnp.int32)) >= k, candidate, threshold)
-
-  threshold = lax.fori_loop(0, _KEY_BITS, bisect, jnp.int32(0))
-  above = key > threshold
-  at_threshold = key == threshold
-  ties = k - jnp.sum(above.astype(jnp.int32))
-  chosen = above | (at_threshold & (jnp.cumsum(at_threshold.astype(jnp.int32)) <= ties))
+  threshold = topk.kth_largest_key(lambda candidate: jnp.sum((key >= candidate).astype(jnp.int32)), k)
+  ties = k - jnp.sum((key > threshold).astype(jnp.int32))
+  chosen = topk.chosen_by_threshold(key, threshold, ties)
   slot = jnp.where(chosen, block * k + jnp.cumsum(chosen.astype(jnp.int32)) - 1, discard)
   indices_ref[slot] = position
   values_ref[slot] = x

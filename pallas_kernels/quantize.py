@@ -233,9 +233,7 @@ def dequantize_reference(
 ) -> jax.Array:
   """``min + q * s`` per element, from unpacked ``codes`` and per-bucket statistics (float32)."""
   bucket_of = jnp.arange(codes.size) // bucket_size
-  minimum = minimum.astype(jnp.float32)
-  step = _step(minimum, maximum.astype(jnp.float32), bits)
-  return _decode(codes, minimum[bucket_of], step[bucket_of])
+  return decode_values(codes, minimum[bucket_of], maximum[bucket_of], bits=bits)
 
 
 # -- XLA: the formula on packed rows ------------------------------------------
@@ -812,10 +810,7 @@ def _dequantize_flat(
   implementation: dispatch.Implementation,
 ) -> jax.Array:
   """``y + decoded`` (or ``decoded``) as a flat ``dtype`` array, float32 math."""
-  _check_bits(bits)
-  _check_size(size)
-  _check_bucket_size(bucket_size)
-  _check_quantized(q, size, bits, bucket_size)
+  check_quantized(q, size=size, bits=bits, bucket_size=bucket_size)
   dispatch.check(implementation)
   if size == 0:
     return jnp.zeros((0,), dtype)

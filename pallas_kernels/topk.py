@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,34 @@ def block_topk_reference(x: jax.Array, *, density: float, block_size: int) -> tu
   )
 
 
+def kth_largest_key(count_at_least: Callable[[jax.Array], jax.Array], k: int) -> jax.Array:
+  """The k-th largest magnitude key, by bisection on its bits from the top down.
+
+  Keeps the largest ``T`` with ``count_at_least(T) = #{key >= T} >= k``. Shared
+  by the kernels, which count over what they hold (rows of a block in
+  memory, or a block in registers); shifts are on uint32, as Mosaic GPU
+  wants them.
+  """
+
+  def bisect(step, threshold):
+    bit = lax.shift_left(jnp.uint32(1), (_KEY_BITS - 1 - step).astype(jnp.uint32))
+    candidate = threshold + bit.astype(jnp.int32)
+    return jnp.where(count_at_least(candidate) >= k, candidate, threshold)
+
+  return lax.fori_loop(0, _KEY_BITS, bisect, jnp.int32(0))
+
+
+def chosen_by_threshold(keys: jax.Array, threshold: jax.Array, ties: jax.Array) -> jax.Array:
+  """The selection along the last axis: keys above ``threshold``, and the first ``ties`` keys equal to it.
+
+  ``threshold`` is the k-th largest key and ``ties = k - #{key > threshold}``
+  (broadcast against ``keys``); ties go to the lower index.
+  """
+  at_threshold = keys == threshold
+  tie_rank = jnp.cumsum(at_threshold.astype(jnp.int32), axis=-1)
+  return (keys > threshold) | (at_threshold & (tie_rank <= ties))
+
+
 def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
   """Per block ``b`` of ``x_ref[n_blocks, rows, 256]``: its k-th largest key and ties.
 
@@ -189,13 +218,7 @@ def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
 
     return lax.fori_loop(0, rows, add_row, jnp.int32(0))
 
-  def bisect(step, threshold):
-    bit = lax.shift_left(jnp.uint32(1), (_KEY_BITS - 1 - step).astype(jnp.uint32))
-    candidate = threshold + bit.astype(jnp.int32)
-    enough = count(lambda keys: keys >= candidate) >= k
-    return jnp.where(enough, candidate, threshold)
-
-  threshold = lax.fori_loop(0, _KEY_BITS, bisect, jnp.int32(0))
+  threshold = kth_largest_key(lambda candidate: count(lambda keys: keys >= candidate), k)
   threshold_ref[block] = threshold
   ties_ref[block] = k - count(lambda keys: keys > threshold)
 
@@ -223,10 +246,7 @@ def _compact(keys: jax.Array, threshold: jax.Array, ties: jax.Array, k: int) -> 
   chosen entry its slot. Runs in XLA because Mosaic GPU has no prefix sum.
   """
   n_blocks, width = keys.shape
-  above = keys > threshold[:, None]
-  at_threshold = keys == threshold[:, None]
-  tie_rank = jnp.cumsum(at_threshold, axis=1, dtype=jnp.int32)
-  chosen = above | (at_threshold & (tie_rank <= ties[:, None]))
+  chosen = chosen_by_threshold(keys, threshold[:, None], ties[:, None])
   slot = jnp.cumsum(chosen, axis=1, dtype=jnp.int32) - 1
   # Unchosen entries aim past the last slot and are dropped by the scatter.
   slot = jnp.where(chosen, slot, k)
