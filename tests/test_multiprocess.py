@@ -82,9 +82,8 @@ def run_workers(workdir: pathlib.Path) -> list[tuple[int, str, str]]:
   ]
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> list[dict]:
-  outcomes = run_workers(tmp_path_factory.mktemp("multiprocess"))
+def run_and_read_workers(workdir: pathlib.Path) -> list[dict]:
+  outcomes = run_workers(workdir)
   if any(code for code, _, _ in outcomes):
     pytest.fail(
       "\n\n".join(
@@ -93,6 +92,13 @@ def reports(tmp_path_factory) -> list[dict]:
       )
     )
   return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in outcomes]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> list[dict]:
+  return host_devices.once_per_test_run(
+    tmp_path_factory, "multiprocess", lambda: run_and_read_workers(tmp_path_factory.mktemp("multiprocess"))
+  )
 
 
 def results(reports: list[dict], name: str) -> list[dict]:

@@ -38,8 +38,7 @@ FLOAT32_ULPS = 4.0
 BYTES_TOLERANCE = 0.05
 
 
-@pytest.fixture(scope="module")
-def report() -> dict:
+def run_sharding_check() -> dict:
   done = subprocess.run(
     [sys.executable, "-m", "tests.sharding_check", *NAMES],
     cwd=host_devices.REPOSITORY,
@@ -52,6 +51,11 @@ def report() -> dict:
   if done.returncode:
     pytest.fail(f"tests/sharding_check.py failed:\n{done.stderr[-6000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+  return host_devices.once_per_test_run(tmp_path_factory, "sharding_check", run_sharding_check)
 
 
 def result(report: dict, name: str) -> dict:
