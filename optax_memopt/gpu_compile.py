@@ -10,9 +10,11 @@ memory-bound, so two figures of that program say what a user gets:
   of the optimized entry computation reads its operands and writes its
   results once (parameters, constants, tuples, get-tuple-element, bitcasts
   and the second half of an asynchronous pair move nothing; a while loop's
-  body counts once per trip). An upper bound for an operation that reads a
-  slice of an operand, a lower bound for a custom call that reads its
-  input twice. ``optax.adamw`` on float32 parameters moves 28 bytes per
+  body counts once per trip). Where a fusion touches part of an operand, it
+  counts that part: a slice reads the slice, and an in-place
+  dynamic-update-slice or scatter writes its update's size. An upper bound
+  for other operations that read part of an operand (a gather), a lower
+  bound for a custom call that reads its input twice. ``optax.adamw`` on float32 parameters moves 28 bytes per
   parameter this way (reads p, g, m, v; writes p, m, v).
 * **peak**: arguments + outputs - aliased + temporaries of the donated step
   (``Compiled.memory_analysis``); beyond parameters, gradients and state,
@@ -166,6 +168,81 @@ def _computations(hlo: str) -> tuple[str, dict[str, list[str]]]:
   return entry, bodies
 
 
+_SLICES = {"slice", "dynamic-slice"}
+
+
+def _fusion_traffic(body: list[str], read: list[float], written: float) -> tuple[list[float], float]:
+  """A fusion's bytes read per operand and written, where it touches only part of an operand or its result.
+
+  A fused parameter that is only sliced is read for the slices' sizes.
+  XLA:GPU updates the target of a root dynamic-update-slice or scatter in
+  place (as a loop writing its output chunk by chunk does): the result is
+  written for the update's size, and the target is not read
+  (dynamic-update-slice) or read for the update's size (scatter, which
+  combines). Other operands and results count whole.
+  """
+  instructions, users = {}, {}
+  for line in body:
+    match = _INSTRUCTION.match(line)
+    if match:
+      name, shape, opcode, arguments = match.groups()
+      operands = _operands(arguments)
+      instructions[name] = (shape, opcode, operands, arguments, line.lstrip().startswith("ROOT"))
+      for position, operand in enumerate(operands):
+        users.setdefault(operand, []).append((name, position))
+  root = next((name for name, (*_, is_root) in instructions.items() if is_root), None)
+  if root is None:
+    return read, written
+
+  def looked_through(name):
+    while instructions[name][1] == "bitcast":
+      name = instructions[name][2][0]
+    return name
+
+  outputs = instructions[root][2] if instructions[root][1] == "tuple" else [root]
+  # Each in-place update among the outputs: the bytes it writes, and reads of its target.
+  in_place = {}
+  for output in map(looked_through, outputs):
+    shape, opcode, operands, *_ = instructions[output]
+    if opcode == "dynamic-update-slice":
+      in_place[output] = (shape_bytes(instructions[operands[1]][0]), 0.0)
+    elif opcode == "scatter" and len(operands) == 3:
+      update = shape_bytes(instructions[operands[2]][0])
+      in_place[output] = (update, update)
+  if in_place:
+    written = sum(
+      in_place[looked_through(o)][0] if looked_through(o) in in_place else shape_bytes(instructions[o][0])
+      for o in outputs
+    )
+
+  def bytes_read(name):
+    """What reading ``name`` costs through its users; ``None`` where one of them reads it whole."""
+    total = 0.0
+    for user, position in users.get(name, []):
+      opcode = instructions[user][1]
+      if opcode == "bitcast":
+        through = bytes_read(user)
+        if through is None:
+          return None
+        total += through
+      elif opcode in _SLICES and position == 0:
+        total += shape_bytes(instructions[user][0])
+      elif position == 0 and user in in_place:
+        total += in_place[user][1]
+      else:
+        return None
+    return total
+
+  read = list(read)
+  for name, (shape, opcode, _, arguments, _) in instructions.items():
+    if opcode == "parameter":
+      index = int(arguments.split(")")[0])
+      partial = bytes_read(name)
+      if partial is not None and index < len(read):
+        read[index] = min(read[index], partial)
+  return read, written
+
+
 def bytes_moved(hlo: str) -> float:
   """Bytes an optimized HLO module's entry computation moves through device memory.
 
@@ -203,7 +280,12 @@ def bytes_moved(hlo: str) -> float:
         called = _CALLED.findall(line) or re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[-1])
         total += max((computation_bytes(c) for c in called if c in bodies), default=0.0)
         continue
-      total += shape_bytes(shape) + sum(shape_bytes(shapes[o]) for o in _operands(arguments) if o in shapes)
+      operands = [o for o in _operands(arguments) if o in shapes]
+      read, written = [shape_bytes(shapes[o]) for o in operands], shape_bytes(shape)
+      fused = re.search(r"\bcalls=%?([\w.\-]+)", line) if opcode == "fusion" else None
+      if fused and fused.group(1) in bodies:
+        read, written = _fusion_traffic(bodies[fused.group(1)], read, written)
+      total += written + sum(read)
     return total
 
   return computation_bytes(entry)

@@ -158,21 +158,13 @@ def microadam_update_reference(
   return jnp.where(second == 0, 0.0, first / (jnp.sqrt(second) + eps))
 
 
-def _by_block(ring: jax.Array, *, k: int, full_blocks: int) -> list[jax.Array]:
-  """A ring ``[window, K]`` as blocks of the window's entries: ``[blocks, window * keep]``.
+def _as_blocks(ring: jax.Array, n_blocks: int) -> jax.Array:
+  """Ring columns of ``n_blocks`` blocks, ``[window, n_blocks * keep]``, as ``[n_blocks, window * keep]``.
 
-  The full blocks (``k`` entries per row each) and the tail block (the rest);
-  entry ``r * keep + j`` of a block is entry ``j`` of that block in ring row
-  ``r``.
+  Entry ``r * keep + j`` of a block is entry ``j`` of that block in ring row ``r``.
   """
-  window, n_entries = ring.shape
-  parts = []
-  if full_blocks:
-    full = ring[:, : full_blocks * k].reshape(window, full_blocks, k)
-    parts.append(full.transpose(1, 0, 2).reshape(full_blocks, window * k))
-  if n_entries > full_blocks * k:
-    parts.append(ring[:, full_blocks * k :].reshape(1, -1))
-  return parts
+  window = ring.shape[0]
+  return ring.reshape(window, n_blocks, -1).transpose(1, 0, 2).reshape(n_blocks, -1)
 
 
 def _sorted_by_index(local: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -192,20 +184,31 @@ def _sorted_by_index(local: jax.Array, block_size: int) -> tuple[jax.Array, jax.
 _WORD = 32
 
 
-def _compact_by_index(local: jax.Array, direction: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Each block's directions, one per distinct index in index order, and the rank structure that finds them.
+def _compact_by_index(
+  local: jax.Array, direction: jax.Array, width: int, first_block: jax.typing.ArrayLike, directions, bitmap
+) -> tuple[jax.Array, jax.Array]:
+  """Blocks' directions, one per distinct index in index order, written into a tensor's buffers.
 
-  ``local`` holds each block's entries sorted by index, ``direction`` the
-  finished direction at the first entry of each index's run. A bitmap of
-  the indices present (one bit per element, 32 per word) and, per word, the
-  number of indices present before it (``offsets``) give an index's rank
-  among the distinct ones, ``offsets[w] + popcount(bitmap[w] & below)``:
-  a quarter of a byte per element, where a map of int16 slots would take 2.
+  ``local`` holds the entries of blocks ``first_block, ...`` sorted by index,
+  ``direction`` the finished direction at the first entry of each index's
+  run. The bitmap of the indices present (one bit per element, 32 per word)
+  and, per word, the number of indices present before it in its block
+  (``_rank_offsets``) give an index's rank among the distinct ones,
+  ``offsets[w] + popcount(bitmap[w] & below)``: a quarter of a byte per
+  element, where a map of int16 slots would take 2.
+
+  Args:
+    local: ``[blocks, n]`` sorted block-local indices.
+    direction: ``[blocks, n]`` directions, used at the first entry of each run.
+    width: elements per block.
+    first_block: the tensor's block that ``local``'s first row is.
+    directions: the tensor's ``[all blocks * n + 1]`` float32 directions;
+      block ``b``'s start at ``b * n``, beyond its distinct indices (and the
+      last element) left as they are.
+    bitmap: the tensor's ``[all blocks * words]`` uint32 bitmap, 0 for these blocks.
 
   Returns:
-    ``(directions [blocks * n], bitmap [blocks, words] uint32, offsets
-    [blocks, words] int32)``; block ``b``'s directions start at ``b * n``,
-    0 beyond its distinct indices.
+    ``(directions, bitmap)`` with these blocks written.
   """
   n_blocks, n_entries = local.shape
   words = -(-width // _WORD)
@@ -217,66 +220,134 @@ def _compact_by_index(local: jax.Array, direction: jax.Array, width: int) -> tup
   # Flat indices: XLA materializes the index tuples of a two-dimensional
   # gather or scatter. Distinct indices set distinct bits, so adding them is
   # or-ing them; later entries of a run aim past the end and are dropped.
-  bitmap = jnp.zeros((n_blocks * words,), jnp.uint32).at[jnp.where(first, word, n_blocks * words)].add(bit, mode="drop")
-  counts = lax.population_count(bitmap).reshape(n_blocks, words).astype(jnp.int32)
-  offsets = jnp.cumsum(counts, axis=1) - counts
-  below = lax.population_count(bitmap[word] & (bit - jnp.uint32(1))).astype(jnp.int32)
-  rank = block * n_entries + offsets.reshape(-1)[word] + below
-  directions = jnp.zeros((n_blocks * n_entries,), jnp.float32)
-  directions = directions.at[jnp.where(first, rank, n_blocks * n_entries)].set(direction, mode="drop")
-  return directions, bitmap.reshape(n_blocks, words), offsets
+  first_word = first_block * words
+  # Blocks a loop's last chunk takes again are set afresh.
+  bitmap = lax.dynamic_update_slice_in_dim(bitmap, jnp.zeros((n_blocks * words,), bitmap.dtype), first_word, 0)
+  bitmap = bitmap.at[jnp.where(first, first_word + word, bitmap.size)].add(bit, mode="drop")
+  chunk_bitmap = lax.dynamic_slice_in_dim(bitmap, first_word, n_blocks * words)
+  offsets = _rank_offsets(chunk_bitmap, words)
+  below = lax.population_count(chunk_bitmap[word] & (bit - jnp.uint32(1))).astype(jnp.int32)
+  rank = (first_block + block) * n_entries + offsets.reshape(-1)[word] + below
+  directions = directions.at[jnp.where(first, rank, directions.size)].set(direction, mode="drop")
+  return directions, bitmap
+
+
+def _rank_offsets(bitmap: jax.Array, words: int) -> jax.Array:
+  """Per word of a flat bitmap of blocks of ``words`` words, the bits set before it in its block.
+
+  Returns:
+    int32 ``[blocks, words]``.
+  """
+  counts = lax.population_count(bitmap).reshape(-1, words).astype(jnp.int32)
+  return jnp.cumsum(counts, axis=1) - counts
 
 
 def _read_dense(directions: jax.Array, bitmap: jax.Array, offsets: jax.Array, width: int) -> jax.Array:
-  """The dense ``[blocks, width]`` update: an element's direction where its index is present, else 0."""
+  """The dense ``[blocks, width]`` update: an element's direction where its index is present, else 0.
+
+  ``directions`` ends with one 0 past the blocks' ``n_entries`` each, which
+  absent elements read: the test of presence then has one use, which
+  XLA:GPU fuses into the parameters' update (with two uses it wrote it out
+  for the largest tensors, a byte per element).
+  """
   n_blocks, words = bitmap.shape
-  n_entries = directions.size // n_blocks
+  n_entries = (directions.size - 1) // n_blocks
   shape = (n_blocks, words, _WORD)
   lane = lax.broadcasted_iota(jnp.uint32, shape, 2)
   bits = jnp.broadcast_to(bitmap[:, :, None], shape)
   present = (lax.shift_right_logical(bits, lane) & jnp.uint32(1)) != 0
   below = lax.population_count(bits & (lax.shift_left(jnp.uint32(1), lane) - jnp.uint32(1))).astype(jnp.int32)
   block = lax.broadcasted_iota(jnp.int32, shape, 0)
-  rank = jnp.where(present, block * n_entries + offsets[:, :, None] + below, 0)
-  dense = jnp.where(present, directions[rank], 0.0)
+  rank = jnp.where(present, block * n_entries + offsets[:, :, None] + below, directions.size - 1)
+  dense = directions[rank]
   return dense.reshape(n_blocks, words * _WORD)[:, :width]
+
+
+def _block_directions(local, ring_values, weights, eps, first_block, buffers, *, block_size: int, width: int):
+  """The directions of blocks of the window's entries ``[blocks, window * keep]``, into the tensor's buffers.
+
+  ``M`` and ``S`` are summed per block-local index over the entries of a
+  block (sorted by index, equal indices adjacent: a row holds an index at
+  most once, so an index's entries are at most ``window`` consecutive
+  ones; the first holds the sums).
+
+  Returns:
+    ``buffers``, ``(directions, bitmap)``, written by ``_compact_by_index``.
+  """
+  window = weights.shape[1]
+  local, entry = _sorted_by_index(local.astype(jnp.int32), block_size)
+  keep = local.shape[1] // window
+  value = jnp.take_along_axis(ring_values, entry, axis=1).astype(jnp.float32)
+  row = entry // keep
+  first, second = weights[0][row] * value, weights[1][row] * value * value
+  # The run of an index starts at its first entry and spans at most the
+  # window; sums in ring-row order, as the reference adds its rows.
+  pad = ((0, 0), (0, window - 1))
+  padded_local = jnp.pad(local, pad, constant_values=-1)
+  padded_first, padded_second = jnp.pad(first, pad), jnp.pad(second, pad)
+  moments = [jnp.zeros_like(first), jnp.zeros_like(second)]
+  for shift in range(window):
+    same = lax.slice_in_dim(padded_local, shift, shift + local.shape[1], axis=1) == local
+    for m, padded in enumerate((padded_first, padded_second)):
+      term = lax.slice_in_dim(padded, shift, shift + local.shape[1], axis=1)
+      moments[m] = moments[m] + jnp.where(same, term, 0.0)
+  return _compact_by_index(local, _update_from_moments(*moments, eps), width, first_block, *buffers)
+
+
+# Window entries whose directions are computed at once. A tensor with more
+# goes through a loop over chunks of its blocks, writing into its compacted
+# directions and bitmap in place, so that the sort's and the sums' arrays
+# (tens of bytes per entry) stay a bounded size rather than grow with the
+# tensor: at 2**21 entries (1278 blocks of 16384 at the defaults) about
+# 100 MB, where Llama-3-8B's embedding (52M entries) needed 2.5 GB.
+WINDOW_ENTRIES_AT_ONCE = 1 << 21
+
+
+def _dense_update(ring, weights, eps, *, n_blocks: int, width: int, block_size: int) -> jax.Array:
+  """The flat dense update of ``n_blocks`` blocks of ``width`` elements from their ring columns.
+
+  ``ring`` is ``(indices, values)``, ``[window, n_blocks * keep]`` each.
+  More than ``WINDOW_ENTRIES_AT_ONCE`` entries go through a loop over chunks
+  of blocks of one size, the last ending at the last block.
+  """
+  window, n_columns = ring[0].shape
+  keep = n_columns // n_blocks
+  n_entries, words = window * keep, -(-width // _WORD)
+  n_chunks = -(-n_blocks // max(1, WINDOW_ENTRIES_AT_ONCE // n_entries))
+  chunk = -(-n_blocks // n_chunks)
+
+  def chunk_directions(first_block, count, buffers):
+    ring_blocks = [
+      _as_blocks(lax.dynamic_slice_in_dim(r, first_block * keep, count * keep, axis=1), count) for r in ring
+    ]
+    return _block_directions(*ring_blocks, weights, eps, first_block, buffers, block_size=block_size, width=width)
+
+  buffers = (jnp.zeros((n_blocks * n_entries + 1,), jnp.float32), jnp.zeros((n_blocks * words,), jnp.uint32))
+  if n_chunks == 1:
+    buffers = chunk_directions(0, n_blocks, buffers)
+  else:
+    # Chunks of one size; the last ends at the last block, taking some again.
+    buffers = lax.fori_loop(
+      0, n_chunks, lambda c, b: chunk_directions(jnp.minimum(c * chunk, n_blocks - chunk), chunk, b), buffers
+    )
+  directions, bitmap = buffers
+  return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 
 
 def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   """The direction at the window's entries only, read densely through a bitmap rank.
 
-  ``M`` and ``S`` are summed per block-local index over the entries of a
-  block (sorted by index, equal indices adjacent: a row holds an index at
-  most once, so an index's entries are at most ``window`` consecutive
-  ones; the first holds the sums). The only dense array is the update,
-  gathered from the block's compacted directions (``_compact_by_index``).
+  The only dense array is the update, gathered from each block's compacted
+  directions (``_block_directions``): the full blocks, then the tail block.
   """
-  window = indices.shape[0]
-  full_blocks = size // block_size
+  full_blocks, tail = divmod(size, block_size)
   dense = []
-  for first_block, (local, ring_values) in zip(
-    (0, full_blocks),
-    zip(_by_block(indices, k=k, full_blocks=full_blocks), _by_block(values, k=k, full_blocks=full_blocks)),
-  ):
-    local, entry = _sorted_by_index(local.astype(jnp.int32), block_size)
-    keep = local.shape[1] // window
-    value = jnp.take_along_axis(ring_values, entry, axis=1).astype(jnp.float32)
-    row = entry // keep
-    first, second = weights[0][row] * value, weights[1][row] * value * value
-    # The run of an index starts at its first entry and spans at most the
-    # window; sums in ring-row order, as the reference adds its rows.
-    pad = ((0, 0), (0, window - 1))
-    padded_local = jnp.pad(local, pad, constant_values=-1)
-    padded_first, padded_second = jnp.pad(first, pad), jnp.pad(second, pad)
-    moments = [jnp.zeros_like(first), jnp.zeros_like(second)]
-    for shift in range(window):
-      same = lax.slice_in_dim(padded_local, shift, shift + local.shape[1], axis=1) == local
-      for m, padded in enumerate((padded_first, padded_second)):
-        term = lax.slice_in_dim(padded, shift, shift + local.shape[1], axis=1)
-        moments[m] = moments[m] + jnp.where(same, term, 0.0)
-    width = min(block_size, size - first_block * block_size)
-    directions, bitmap, offsets = _compact_by_index(local, _update_from_moments(*moments, eps), width)
-    dense.append(_read_dense(directions, bitmap, offsets, width).reshape(-1))
+  if full_blocks:
+    ring = [r[:, : full_blocks * k] for r in (indices, values)]
+    dense.append(_dense_update(ring, weights, eps, n_blocks=full_blocks, width=block_size, block_size=block_size))
+  if tail:
+    ring = [r[:, full_blocks * k :] for r in (indices, values)]
+    dense.append(_dense_update(ring, weights, eps, n_blocks=1, width=tail, block_size=block_size))
   if not dense:
     return jnp.zeros((0,), jnp.float32)
   return jnp.concatenate(dense)

@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, dispatch, packing, static_args, topk, xla_cpu
+from pallas_kernels import _backend, dispatch, packing, static_args, topk
 
 SUPPORTED_BITS = (4, 8)
 # Elements per kernel row: two planes of ``packing.PLANE_WIDTH``, which is one
@@ -272,8 +272,7 @@ def _planes_to_packed(planes: list[jax.Array], size: int, bits: int) -> jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "stats_dtype"))
 def _quantize_xla(x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.dtype) -> QuantizedArray:
-  # Read twice (statistics, then codes): computed once.
-  flat = xla_cpu.written_out(x.reshape(-1).astype(jnp.float32))
+  flat = x.reshape(-1).astype(jnp.float32)
   n_buckets = num_buckets(flat.size, bucket_size)
   # Whole buckets and whole rows (bucket sizes divide a row or are rows).
   # Repeating the last element keeps the last bucket's min and max; the

@@ -89,6 +89,54 @@ def test_bytes_moved_reads_operands_and_writes_results_once_per_top_level_operat
   assert gpu_compile.bytes_moved(HLO) == fusion + loop + copy
 
 
+# A loop writing a f32[1024] output in place, a chunk of 256 per trip: a
+# fusion slicing the chunk's input out of a f32[1024] parameter and writing it
+# into the output with dynamic-update-slice, and one scatter-adding 16
+# elements into a u32[512] bitmap.
+IN_PLACE_HLO = """HloModule jit_step
+
+%fused_update (p0: f32[1024], p1: f32[1024], p2: s32[]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  %p1 = f32[1024]{0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %chunk = f32[256]{0} dynamic-slice(%p1, %p2), dynamic_slice_sizes={256}
+  %doubled = f32[256]{0} add(%chunk, %chunk)
+  ROOT %update = f32[1024]{0} dynamic-update-slice(%p0, %doubled, %p2)
+}
+
+%fused_scatter (q0: u32[512], q1: s32[16,1], q2: u32[16]) -> u32[512] {
+  %q0 = u32[512]{0} parameter(0)
+  %q1 = s32[16,1]{1,0} parameter(1)
+  %q2 = u32[16]{0} parameter(2)
+  ROOT %scatter = u32[512]{0} scatter(%q0, %q1, %q2), update_window_dims={}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+%body (state: (s32[], f32[1024], f32[1024], u32[512], s32[16,1], u32[16])) -> (s32[], f32[1024], f32[1024], u32[512], s32[16,1], u32[16]) {
+  %state = (s32[], f32[1024]{0}, f32[1024]{0}, u32[512]{0}, s32[16,1]{1,0}, u32[16]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %out = f32[1024]{0} get-tuple-element(%state), index=1
+  %in = f32[1024]{0} get-tuple-element(%state), index=2
+  %bitmap = u32[512]{0} get-tuple-element(%state), index=3
+  %where = s32[16,1]{1,0} get-tuple-element(%state), index=4
+  %bits = u32[16]{0} get-tuple-element(%state), index=5
+  %written = f32[1024]{0} fusion(%out, %in, %i), kind=kLoop, calls=%fused_update
+  %marked = u32[512]{0} fusion(%bitmap, %where, %bits), kind=kInput, calls=%fused_scatter
+  ROOT %next = (s32[], f32[1024]{0}, f32[1024]{0}, u32[512]{0}, s32[16,1]{1,0}, u32[16]{0}) tuple(%i, %written, %in, %marked, %where, %bits)
+}
+
+ENTRY %main (init: (s32[], f32[1024], f32[1024], u32[512], s32[16,1], u32[16])) -> (s32[], f32[1024], f32[1024], u32[512], s32[16,1], u32[16]) {
+  %init = (s32[], f32[1024]{0}, f32[1024]{0}, u32[512]{0}, s32[16,1]{1,0}, u32[16]{0}) parameter(0)
+  ROOT %while = (s32[], f32[1024]{0}, f32[1024]{0}, u32[512]{0}, s32[16,1]{1,0}, u32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""  # noqa: E501 (HLO lines as XLA writes them)
+
+
+def test_in_place_updates_and_slices_count_the_parts_they_touch():
+  update = 1024 + 4 + 1024  # reads the chunk and the offset, writes the chunk; the output is not read
+  scatter = (64 + 64) + (64 + 64)  # reads 16 indices, 16 updates and the 16 words it adds to; writes those
+  assert gpu_compile.bytes_moved(IN_PLACE_HLO) == 4 * (update + scatter)
+
+
 def test_a_while_loop_without_a_known_trip_count_is_refused():
   with pytest.raises(ValueError, match="known trip count"):
     gpu_compile.bytes_moved(HLO.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))

@@ -115,6 +115,25 @@ def test_update_matches_reference(size, block_size, density, window, count, seed
   assert got.shape == (size,) and got.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("count", [3, 9])
+def test_chunked_blocks_match_reference(count, seed, monkeypatch):
+  # Seven full blocks in chunks of two: three chunks through the loop, then
+  # the seventh block, then the tail block.
+  size, block_size, density, window = 7 * 256 + 100, 256, 0.04, 4
+  k = documented_keep(block_size, density)
+  monkeypatch.setattr(microadam_update, "WINDOW_ENTRIES_AT_ONCE", 2 * window * k)
+  microadam_update._microadam_update.clear_cache()
+  indices, values, _, _ = case_inputs(seed, size, block_size, density, window)
+  args = (jnp.asarray(indices), jnp.asarray(values), count, 0.9, 0.999, 1e-8)
+  kwargs = dict(size=size, density=density, block_size=block_size)
+  program = microadam_update._microadam_update.lower(*args, **kwargs).as_text()
+  got = microadam_update.microadam_update(*args, **kwargs)
+  microadam_update._microadam_update.clear_cache()
+  assert "stablehlo.while" in program
+  want = microadam_update.microadam_update_reference(*args, **kwargs)
+  chex.assert_trees_all_close(got, want, rtol=2e-6, atol=1e-7, custom_message=f"seed={seed}")
+
+
 def test_window_weights_wrap_ages_and_skip_unwritten_rows():
   window, b1, b2 = 3, 0.5, 0.25
   for count in range(1, 8):
