@@ -14,8 +14,9 @@ memory-bound, so two figures of that program say what a user gets:
   counts that part: a slice reads the slice, and an in-place
   dynamic-update-slice or scatter writes its update's size. An upper bound
   for other operations that read part of an operand (a gather), a lower
-  bound for a custom call that reads its input twice. ``optax.adamw`` on float32 parameters moves 28 bytes per
-  parameter this way (reads p, g, m, v; writes p, m, v).
+  bound for a custom call that reads its input twice. ``optax.adamw`` on
+  float32 parameters moves 28 bytes per parameter this way (reads p, g, m,
+  v; writes p, m, v).
 * **peak**: arguments + outputs - aliased + temporaries of the donated step
   (``Compiled.memory_analysis``); beyond parameters, gradients and state,
   what is left is the step's temporaries.
@@ -203,7 +204,7 @@ def _fusion_traffic(body: list[str], read: list[float], written: float) -> tuple
   # Each in-place update among the outputs: the bytes it writes, and reads of its target.
   in_place = {}
   for output in map(looked_through, outputs):
-    shape, opcode, operands, *_ = instructions[output]
+    _, opcode, operands, *_ = instructions[output]
     if opcode == "dynamic-update-slice":
       in_place[output] = (shape_bytes(instructions[operands[1]][0]), 0.0)
     elif opcode == "scatter" and len(operands) == 3:
@@ -234,7 +235,7 @@ def _fusion_traffic(body: list[str], read: list[float], written: float) -> tuple
     return total
 
   read = list(read)
-  for name, (shape, opcode, _, arguments, _) in instructions.items():
+  for name, (_, opcode, _, arguments, _) in instructions.items():
     if opcode == "parameter":
       index = int(arguments.split(")")[0])
       partial = bytes_read(name)

@@ -205,7 +205,8 @@ def _compact_by_index(
     directions: the tensor's ``[all blocks * n + 1]`` float32 directions;
       block ``b``'s start at ``b * n``, beyond its distinct indices (and the
       last element) left as they are.
-    bitmap: the tensor's ``[all blocks * words]`` uint32 bitmap, 0 for these blocks.
+    bitmap: the tensor's ``[all blocks * words]`` uint32 bitmap, 0 for these
+      blocks (their bits are added).
 
   Returns:
     ``(directions, bitmap)`` with these blocks written.
@@ -221,8 +222,6 @@ def _compact_by_index(
   # gather or scatter. Distinct indices set distinct bits, so adding them is
   # or-ing them; later entries of a run aim past the end and are dropped.
   first_word = first_block * words
-  # Blocks a loop's last chunk takes again are set afresh.
-  bitmap = lax.dynamic_update_slice_in_dim(bitmap, jnp.zeros((n_blocks * words,), bitmap.dtype), first_word, 0)
   bitmap = bitmap.at[jnp.where(first, first_word + word, bitmap.size)].add(bit, mode="drop")
   chunk_bitmap = lax.dynamic_slice_in_dim(bitmap, first_word, n_blocks * words)
   offsets = _rank_offsets(chunk_bitmap, words)
@@ -322,14 +321,20 @@ def _dense_update(ring, weights, eps, *, n_blocks: int, width: int, block_size: 
     ]
     return _block_directions(*ring_blocks, weights, eps, first_block, buffers, block_size=block_size, width=width)
 
+  def loop_chunk(c, buffers):
+    # Chunks of one size; the last ends at the last block, and the bitmap
+    # words of the blocks it takes again are cleared before their bits are added.
+    first_block = jnp.minimum(c * chunk, n_blocks - chunk)
+    directions, bitmap = buffers
+    cleared = jnp.zeros((chunk * words,), bitmap.dtype)
+    bitmap = lax.dynamic_update_slice_in_dim(bitmap, cleared, first_block * words, 0)
+    return chunk_directions(first_block, chunk, (directions, bitmap))
+
   buffers = (jnp.zeros((n_blocks * n_entries + 1,), jnp.float32), jnp.zeros((n_blocks * words,), jnp.uint32))
   if n_chunks == 1:
     buffers = chunk_directions(0, n_blocks, buffers)
   else:
-    # Chunks of one size; the last ends at the last block, taking some again.
-    buffers = lax.fori_loop(
-      0, n_chunks, lambda c, b: chunk_directions(jnp.minimum(c * chunk, n_blocks - chunk), chunk, b), buffers
-    )
+    buffers = lax.fori_loop(0, n_chunks, loop_chunk, buffers)
   directions, bitmap = buffers
   return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 
