@@ -6,6 +6,7 @@ from optax_memopt.lowbit_adamw import ScaleByLowbitAdamState, adamw_4bit, adamw_
 from optax_memopt.microadam import ScaleByMicroAdamState, microadam, scale_by_microadam
 from optax_memopt.sharding import state_shardings
 from optax_memopt.state_bytes import state_nbytes
+from optax_memopt.stochastic_rounding import StochasticRoundingState, stochastic_rounding, with_stochastic_rounding
 from optax_memopt.taco import MatrixAxes, ScaleByTacoState, scale_by_taco, taco, taco_labels
 from optax_memopt.ternary_adam import FactoredSecondMoment, ScaleByTernaryAdamState, scale_by_ternary_adam, ternary_adam
 
@@ -33,7 +34,10 @@ __all__ = [
   "ScaleByTernaryAdamState",
   "state_nbytes",
   "state_shardings",
+  "stochastic_rounding",
+  "StochasticRoundingState",
   "taco",
   "taco_labels",
   "ternary_adam",
+  "with_stochastic_rounding",
 ]

@@ -15,6 +15,10 @@ import numbers
 import warnings
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from pallas_kernels.static_args import check_decay_rate, check_fraction, check_int, check_non_negative, check_static
 
 __all__ = [
@@ -25,6 +29,7 @@ __all__ = [
   "check_non_negative",
   "check_static",
   "renamed_keyword",
+  "typed_key",
 ]
 
 
@@ -47,3 +52,23 @@ def renamed_keyword(old_name: str, old_value: Any, new_name: str, new_value: Any
     raise ValueError(f"{old_name} is the old name of {new_name}; pass {new_name} only.")
   warnings.warn(f"{old_name} is deprecated; pass {new_name}={old_value!r} instead.", DeprecationWarning, stacklevel=3)
   return old_value
+
+
+def typed_key(name: str, key: int | jax.Array) -> jax.Array:
+  """A typed PRNG key from an int seed, a typed key or a legacy uint32 key.
+
+  A scalar integer array is a seed that ``inject_hyperparams`` turned into an
+  array. Anything else raises a ``ValueError`` naming ``name``.
+  """
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.key(key)
+  if isinstance(key, (jax.Array, np.ndarray)):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+      return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+      return jax.random.wrap_key_data(key)
+    if jnp.issubdtype(key.dtype, jnp.integer) and key.shape == ():
+      return jax.random.key(key)
+  raise ValueError(
+    f"{name} must be an int seed or a single JAX PRNG key (typed, or legacy uint32 of shape (2,)); got {key!r}."
+  )

@@ -78,7 +78,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
@@ -117,23 +116,6 @@ def _check_hyperparameters(b1, b2, eps, block_size, min_quantized_size, packing)
   hyperparameters.check_int("min_quantized_size", min_quantized_size, 0)
   hyperparameters.check_static("packing", packing)
   ternary.packing_layout(packing)
-
-
-def _typed_key(key: int | jax.Array) -> jax.Array:
-  """A typed PRNG key from a seed, a typed key or a legacy uint32 key."""
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    return jax.random.key(key)
-  if isinstance(key, (jax.Array, np.ndarray)):
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
-      return key
-    if key.dtype == jnp.uint32 and key.shape == (2,):
-      return jax.random.wrap_key_data(key)
-    # A seed that inject_hyperparams turned into an array.
-    if jnp.issubdtype(key.dtype, jnp.integer) and key.shape == ():
-      return jax.random.key(key)
-  raise ValueError(
-    f"key must be an int seed or a single JAX PRNG key (typed, or legacy uint32 of shape (2,)); got {key!r}."
-  )
 
 
 def _check_real(leaf: jax.Array) -> None:
@@ -261,7 +243,7 @@ def scale_by_ternary_adam(
     "min_size", min_size, "min_quantized_size", min_quantized_size, 4096
   )
   _check_hyperparameters(b1, b2, eps, block_size, min_quantized_size, packing)
-  initial_key = _typed_key(key)
+  initial_key = hyperparameters.typed_key("key", key)
   key_impl = jax.random.key_impl(initial_key)
 
   def init_fn(params):
