@@ -38,8 +38,19 @@ def fake_run(optimizer, exponent, seed, loss, *, task="finetune", seconds=10.0, 
 def fake_results(runs, *, max_exponent=2):
   return {
     "protocol": {
-      "sizes": {"small": {"finetune": {"seeds": list(SEEDS), "steps": 30, "start": [-1, 0, 1], "optimizers": None}}},
+      "sizes": {
+        "small": {
+          "finetune": {
+            "corpus": convergence.FINETUNE_CORPUS,
+            "seeds": list(SEEDS),
+            "steps": 30,
+            "start": [-1, 0, 1],
+            "optimizers": None,
+          }
+        }
+      },
       "n_params": {"small": 100},
+      "base_pretrain_steps": {"small": 50},
       "max_exponent": max_exponent,
     },
     "bases": {"small": {"validation_loss_before": 2.5}},
@@ -173,7 +184,7 @@ def test_a_resumed_sweep_runs_only_what_is_missing_and_saves_after_every_run(tmp
     return fake_run(name, exponent, seed, losses[exponent])
 
   monkeypatch.setattr(convergence, "train_once", train_once)
-  monkeypatch.setattr(convergence, "pretrained_base", lambda size, results, cache: (None, results["bases"][size]))
+  monkeypatch.setattr(convergence, "pretrained_base", lambda size, steps, base, cache: (None, base))
   with pytest.raises(Interrupted):
     convergence.run(results, path, ["adamw"], ["small"], ["finetune"], tmp_path)
   saved = json.loads(path.read_text())

@@ -127,14 +127,16 @@ def vocabulary_in_float32(params: optax.Params, names=VOCABULARY_NAMES) -> Any:
   )
 
 
-def _vocabulary_in_float32(alias: Callable[..., optax.GradientTransformation]) -> Callable[..., Any]:
-  """``build`` for a low-bit AdamW whose embedding and output head keep ``optax.adamw``'s float32 state."""
+def _vocabulary_in_float32(
+  alias: Callable[..., optax.GradientTransformation], names: tuple[str, ...] = VOCABULARY_NAMES
+) -> Callable[..., Any]:
+  """``build`` for a low-bit AdamW whose parameters named in ``names`` keep ``optax.adamw``'s float32 state."""
   return lambda lr, config: optax.partition(
     {
       "quantized": alias(lr, weight_decay=WEIGHT_DECAY),
       "float32": optax.adamw(lr, weight_decay=WEIGHT_DECAY),
     },
-    vocabulary_in_float32,
+    lambda params: vocabulary_in_float32(params, names),
   )
 
 
@@ -145,6 +147,17 @@ VARIANTS: dict[str, OptimizerSpec] = {
     _vocabulary_in_float32(optax_memopt.adamw_8bit),
     3e-3,
     "8-bit AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
+  ),
+  # Which of the two vocabulary tensors the 8-bit codes fail on: the head alone, the embedding alone.
+  "adamw_8bit_head_fp32": OptimizerSpec(
+    _vocabulary_in_float32(optax_memopt.adamw_8bit, ("lm_head",)),
+    3e-3,
+    "8-bit AdamW with only the output head in float32 AdamW state",
+  ),
+  "adamw_8bit_embed_fp32": OptimizerSpec(
+    _vocabulary_in_float32(optax_memopt.adamw_8bit, ("embed",)),
+    3e-3,
+    "8-bit AdamW with only the embedding in float32 AdamW state",
   ),
   "adamw_fp8_vocab_fp32": OptimizerSpec(
     _vocabulary_in_float32(optax_memopt.adamw_fp8),
