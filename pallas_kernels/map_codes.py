@@ -109,12 +109,6 @@ def code_dtype(code: str) -> np.dtype:
   return jnp.dtype(jnp.float8_e4m3fn if code == FLOAT8_CODE else jnp.uint8)
 
 
-def map_code_bits(code: str) -> int:
-  """Bits a code of ``code`` needs: 4 for a 16-entry map, else 8."""
-  _check_code(code)
-  return 8 if code == FLOAT8_CODE else int(CODE_MAPS[code].size).bit_length() - 1
-
-
 def nearest_map_code_reference(values: jax.Array, table: Any) -> jax.Array:
   """Index of the entry of the sorted ``table`` nearest to each of ``values``.
 
