@@ -120,7 +120,10 @@ def scale_by_microadam(
   for the full blocks, the remainder ``d mod block_size`` for the last (a
   tensor smaller than one block is one such block). The 4-bit quantizer is
   asymmetric with bf16 ``min``/``max`` per bucket of ``bucket_size``.
-  Arithmetic is fp32 whatever the parameter dtype (fp32, bf16, fp16).
+  Arithmetic is fp32 whatever the parameter dtype (fp64, fp32, bf16, fp16):
+  a float64 gradient is rounded to float32 on entry (the ring keeps bf16
+  values and the error feedback 4-bit codes, far coarser than either), and
+  the direction is returned in the parameter's dtype.
 
   With ``density = 1`` and ``window`` at least the number of steps this is
   Adam (``eps_root = 0``) up to the bf16 rounding of stored gradients. With a
@@ -229,6 +232,11 @@ def scale_by_microadam(
     ring_row = (count - 1) % window
 
     def update_leaf(gradient, indices, values, *error):
+      param_dtype = gradient.dtype
+      # The ops take floats of at most 32 bits; a float64 gradient is read in
+      # float32, the precision of MicroAdam's arithmetic.
+      if jnp.dtype(param_dtype).itemsize > 4:
+        gradient = gradient.astype(jnp.float32)
       # Error feedback a = g + dequant(e), and the block top-k of |a|, which
       # goes to this step's ring row.
       selected, kept = feedback_topk.feedback_topk(
@@ -260,7 +268,7 @@ def scale_by_microadam(
       direction = microadam_update.microadam_update(
         indices, values, count, b1, b2, eps, size=gradient.size, density=density, block_size=block_size
       )
-      direction = direction.reshape(gradient.shape).astype(gradient.dtype)
+      direction = direction.reshape(gradient.shape).astype(param_dtype)
       return (direction, indices, values, *error)
 
     # On XLA:CPU one leaf after another, so that one leaf's dense temporaries

@@ -56,13 +56,16 @@ def shapes_and_dtypes(tree):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
 def test_jitted_updates_preserve_param_dtype_and_state_layout(name, dtype):
-  opt = build(name)
-  params = make_params(dtype)
-  grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.1, params)
-  state = jax.jit(opt.init)(params)
-  updates, new_state = jax.jit(opt.update)(grads, state, params)
+  # float64 needs jax_enable_x64, as in optax's contrib harness, which runs
+  # every optimizer on float64 parameters.
+  with jax.enable_x64(dtype == jnp.float64):
+    opt = build(name)
+    params = make_params(dtype)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.1, params)
+    state = jax.jit(opt.init)(params)
+    updates, new_state = jax.jit(opt.update)(grads, state, params)
   chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
   assert shapes_and_dtypes(new_state) == shapes_and_dtypes(state)
   chex.assert_tree_all_finite(updates)
