@@ -102,6 +102,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     3e-3,
     "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
   ),
+  "galore": OptimizerSpec(
+    # optax's, not ours, at its defaults (rank 128, a new projection every 200 steps, Adam inside).
+    lambda lr, config: optax.contrib.galore(lr, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "optax.contrib.galore (optax's): Adam on each matrix's gradient projected on its top 128 singular vectors,"
+    " an SVD every 200 steps",
+  ),
 }
 
 
@@ -169,6 +176,13 @@ VARIANTS: dict[str, OptimizerSpec] = {
     3e-3,
     "MicroAdam keeping the top 5% of each block (density=0.05) instead of 1%",
     has_kernels=True,
+  ),
+  "galore_rank8": OptimizerSpec(
+    # A state the size of ours (about 12 * 8 / dim bytes per parameter of a square matrix), and
+    # a projection every 50 steps, so that the shortest (100-step) runs renew it.
+    lambda lr, config: optax.contrib.galore(lr, rank=8, update_proj_gap=50, weight_decay=WEIGHT_DECAY),
+    3e-3,
+    "optax.contrib.galore (optax's) at rank 8, an SVD every 50 steps",
   ),
 }
 
