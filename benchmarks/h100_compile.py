@@ -13,9 +13,14 @@ Llama-3-8B's shapes instead, whose 128K-token vocabulary makes the embedding
 and the head 525M parameters each: the step's temporaries where one tensor is
 a large share of the model.
 
+``--stochastic-rounding`` also compiles, with bfloat16 parameters, each
+optimizer followed by stochastic rounding
+(``optax_memopt.with_stochastic_rounding``): its bytes beside the same
+optimizer's round-to-nearest step and bfloat16 ``optax.adamw``'s.
+
     pip install -e ".[gpu-compile]"
     python -m benchmarks.h100_compile --layers 2 --param-dtypes float32 bfloat16 --kernels \\
-        --json benchmarks/data/h100_compile.json
+        --stochastic-rounding --json benchmarks/data/h100_compile.json
     python -m benchmarks.h100_compile --render benchmarks/data/h100_compile.json
 
 ``--json`` writes over the rows of an existing file of the same shapes, so
@@ -39,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import optax_memopt  # noqa: E402
 from benchmarks import shapes  # noqa: E402
 from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
 from optax_memopt.training import model, optimizers  # noqa: E402
@@ -49,6 +55,9 @@ from optax_memopt.training import model, optimizers  # noqa: E402
 TOLERANCE = 0.05
 ABSOLUTE_SLACK = 0.005
 
+
+# The key of a row's bfloat16 step followed by stochastic rounding, beside "default" and "pallas".
+ROUNDING = "stochastic_rounding"
 
 # The models that can be compiled, and how the tables name them.
 MODELS = {"llama2_7b": "Llama-2-7B", "llama3_8b": "Llama-3-8B"}
@@ -62,9 +71,11 @@ def model_params(model_name: str, layers: int, param_dtype) -> tuple[dict, model
   return params, config
 
 
-def measure(name: str, params, config, *, kernels: bool) -> dict:
+def measure(name: str, params, config, *, kernels: bool, rounding: bool = False) -> dict:
   spec = optimizers.get(name)
   tx = spec.build(1e-3, config, implementation="pallas") if kernels else spec.build(1e-3, config)
+  if rounding:
+    tx = optax_memopt.with_stochastic_rounding(tx)
   start = time.perf_counter()
   program = gpu_compile.compile_step(tx, params)
   per_param = lambda b: b / program.n_params
@@ -91,6 +102,7 @@ def render(results: dict) -> str:
   for dtype, rows in results["rows"].items():
     adamw = rows["adamw"]["default"]["moved"]
     kernels = any("pallas" in row for row in rows.values())
+    rounding = any(ROUNDING in row for row in rows.values())
     out += ["", f"{dtype} parameters:", ""]
     # Whether the step fits says something only of the whole model.
     whole = layers == 32
@@ -101,6 +113,10 @@ def render(results: dict) -> str:
     if kernels:
       header += " bytes moved, every Pallas kernel on | / adamw |"
       rule += "---|---|"
+    if rounding:
+      # Against round-to-nearest's bytes: what the rounding adds to the step.
+      header += " bytes moved, stochastic rounding | / adamw | added by rounding | temporaries, stochastic rounding |"
+      rule += "---|---|---|---|"
     out += [header, rule]
     for name, row in rows.items():
       d = row["default"]
@@ -111,6 +127,13 @@ def render(results: dict) -> str:
       if kernels:
         k = row.get("pallas")
         line += f" {k['moved']:.1f} | {k['moved'] / adamw:.2f} |" if k else " | |"
+      if rounding:
+        r = row.get(ROUNDING)
+        line += (
+          f" {r['moved']:.1f} | {r['moved'] / adamw:.2f} | {r['moved'] - d['moved']:+.2f} | {r['temporaries']:.3f} |"
+          if r
+          else " | | | |"
+        )
       out.append(line)
   return "\n".join(out)
 
@@ -177,6 +200,11 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--kernels", action="store_true", help="also compile with every Pallas kernel on")
   parser.add_argument(
+    "--stochastic-rounding",
+    action="store_true",
+    help="with bfloat16 parameters, also compile each optimizer followed by optax_memopt.stochastic_rounding",
+  )
+  parser.add_argument(
     "--json", type=pathlib.Path, help="write the results here, over the rows an existing file of the same shapes holds"
   )
   parser.add_argument(
@@ -202,6 +230,8 @@ def main(argv=None) -> int:
       rows[name] = {"default": measure(name, params, config, kernels=False)}
       if args.kernels and optimizers.get(name).has_kernels:
         rows[name]["pallas"] = measure(name, params, config, kernels=True)
+      if args.stochastic_rounding and dtype == "bfloat16":
+        rows[name][ROUNDING] = measure(name, params, config, kernels=False, rounding=True)
       print(f"{dtype} {name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
   print(render(results))
   if args.json:

@@ -17,6 +17,13 @@ as ``benchmarks/README.md`` quotes it.
     python -m benchmarks.memory --step-peak benchmarks/data/cpu_step_memory.json --models 10M 40M \\
         --optimizers adamw microadam
     python -m benchmarks.memory --render benchmarks/data/cpu_step_memory.json
+
+``--one-gpu`` prints README's answer to "which optimizer lets Llama-3-8B
+train on one 80 GB H100?": per optimizer, parameters + gradients + state
+(``optax_memopt.fit.report``) and what is left for activations, with
+float32 and with bfloat16 parameters and gradients.
+
+    python -m benchmarks.memory --one-gpu
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import jax
 import optax
 
 from benchmarks import shapes
-from optax_memopt import state_nbytes
+from optax_memopt import fit, state_nbytes
 from optax_memopt.training import optimizers
 
 # Optimizer state of Llama-2-7B as the papers report it. The MicroAdam paper's
@@ -101,6 +108,43 @@ def render_step_peak(results: dict) -> str:
   return "\n".join(lines)
 
 
+def one_gpu_table(model: str = "llama3_8b", memory: str = "80GiB") -> str:
+  """Markdown: per optimizer, ``model``'s parameters + gradients + state on one device, and what is left.
+
+  From :func:`optax_memopt.fit.report` with float32 and with bfloat16
+  parameters (gradients in the parameters' dtype). Of the AdamW rows,
+  ``adamw`` keeps float32 ``m`` and ``v`` whatever the parameters are, and
+  ``adamw_bf16`` is ``optax.adamw`` on bfloat16 parameters (its ``m`` and
+  ``v`` in bfloat16). Stochastic rounding's state (a key and a count,
+  12 bytes) is left out.
+  """
+  reports = {
+    dtype: fit.report(
+      shapes.params(model, abstract=True),
+      memory=memory,
+      param_dtype=dtype,
+      n_heads=shapes.MODELS[model].n_heads,
+      n_kv_heads=shapes.MODELS[model].n_kv_heads,
+    )
+    for dtype in ("float32", "bfloat16")
+  }
+  device = reports["float32"].memory
+  left = lambda nbytes: device.format(device.nbytes - nbytes) if nbytes <= device.nbytes else "does not fit"
+  lines = [
+    f"{model} ({reports['float32'].n_params:,} parameters) on one device of {device.format(device.nbytes)}:"
+    " parameters + gradients + optimizer state, and what is left for activations.",
+    "",
+    "| optimizer | float32 parameters | left | bfloat16 parameters | left |",
+    "|---|---|---|---|---|",
+  ]
+  for high, low in zip(reports["float32"].rows, reports["bfloat16"].rows):
+    lines.append(
+      f"| {high.optimizer} | {device.format(high.total_bytes)} | {left(high.total_bytes)}"
+      f" | {device.format(low.total_bytes)} | {left(low.total_bytes)} |"
+    )
+  return "\n".join(lines)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", nargs="+", default=["demo", "10M", "llama2_7b"], choices=sorted(shapes.MODELS))
@@ -114,7 +158,12 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--step-peak", type=pathlib.Path, help="measure the CPU step's peak into this results file")
   parser.add_argument("--render", type=pathlib.Path, help="print the table of a --step-peak results file and exit")
+  parser.add_argument("--one-gpu", action="store_true", help="print Llama-3-8B on one 80 GB H100 (README's table)")
   args = parser.parse_args(argv)
+
+  if args.one_gpu:
+    print(one_gpu_table())
+    return
 
   if args.render:
     print(render_step_peak(json.loads(args.render.read_text())))

@@ -1,0 +1,293 @@
+"""Fine-tuning with bfloat16 parameters: each optimizer with stochastic rounding against its own float32 run.
+
+The small model's fine-tuning task of ``benchmarks.convergence`` (AdamW's
+pre-trained base, ``stdlib_source``, its steps, schedule and batches) with
+the base's weights cast to bfloat16: the forward and backward passes run in
+bfloat16, the gradients are bfloat16, and the new parameters are written
+back into bfloat16 either by stochastic rounding
+(``optax_memopt.with_stochastic_rounding``, seeded with the run's seed) or by
+round-to-nearest (``optax.apply_updates`` alone), AdamW's usual bfloat16
+training. Each optimizer runs at its best float32 fine-tuning rate in
+``benchmarks/data/convergence.json`` and is compared seed by seed with its
+float32-parameter runs there (same base, batches and rate): the gap and the
+standard error of the per-seed differences. The target is a gap within
+0.01 or that standard error, whichever is larger.
+
+Whether the spacing matters: a step changes a weight ``w`` by about the
+learning rate (Adam's normalized step), and bfloat16's spacing at ``w`` is
+``2**-7`` to ``2**-8`` of ``|w|``. AdamW also runs, both ways, at lower
+rates (``LOW_RATES``) where, late in the cosine schedule, its steps are
+below the spacing of most weights: there round-to-nearest loses them, and
+the table shows what that costs.
+
+Runs are appended to ``--results`` as they end and a run already there is
+not run again (the benchmark resumes). The table comes from the results:
+
+    python -m benchmarks.convergence_bf16 --estimate
+    python -m benchmarks.convergence_bf16 --optimizers adamw microadam   # runs, resumable
+    python -m benchmarks.convergence_bf16 --render
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optax_memopt
+from benchmarks import convergence
+from optax_memopt.__main__ import learning_rate_schedule
+from optax_memopt.training import loop, optimizers
+
+RESULTS = convergence.ROOT / "benchmarks" / "data" / "convergence_bf16.json"
+SIZE, TASK = "small", "finetune"
+# Three of the float32 sweep's five seeds: the whole table in about an hour on shared cores.
+SEEDS = (0, 1, 2)
+ROUNDINGS = {
+  "stochastic": "stochastic rounding",
+  "nearest": "round-to-nearest",
+}
+# AdamW's rates below its best (powers of 3 from its default, as in
+# convergence.json): 3e-4 at the peak, a tenth of that at the end.
+LOW_RATES = (-1,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One row of the table: an optimizer, a rate (an exponent of convergence.json's grid) and a rounding."""
+
+  optimizer: str
+  exponent: int
+  rounding: str
+
+
+def best_exponent(reference: dict, name: str) -> int | None:
+  """``name``'s best float32 fine-tuning rate in ``reference`` (convergence.json), None if it has no sweep."""
+  row = convergence.row_of(reference, SIZE, TASK, name)
+  return None if row is None else row.exponent
+
+
+def cases(reference: dict, names) -> list[Case]:
+  """Every optimizer with stochastic rounding at its best rate; AdamW also with round-to-nearest, and lower."""
+  out = []
+  for name in names:
+    best = best_exponent(reference, name)
+    if best is None:
+      continue
+    out.append(Case(name, best, "stochastic"))
+    if name == convergence.BASE_OPTIMIZER:
+      out.append(Case(name, best, "nearest"))
+      out += [Case(name, e, r) for e in LOW_RATES if e != best for r in ROUNDINGS]
+  return out
+
+
+def float32_runs(reference: dict, case: Case) -> dict[int, dict]:
+  """The float32-parameter runs of ``case``'s optimizer and rate in ``reference``, by seed."""
+  return {
+    r["seed"]: r
+    for r in convergence.runs_of(reference, SIZE, TASK, case.optimizer)
+    if r["exponent"] == case.exponent and r["seed"] in SEEDS
+  }
+
+
+def runs_of(results: dict, case: Case) -> dict[int, dict]:
+  return {
+    r["seed"]: r
+    for r in results["runs"]
+    if (r["optimizer"], r["exponent"], r["rounding"]) == (case.optimizer, case.exponent, case.rounding)
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  case: Case
+  learning_rate: float
+  validation_loss: float  # Mean over SEEDS; infinite where a run diverged.
+  standard_error: float | None
+  float32_loss: float
+  float32_error: float | None
+  gap: float  # validation_loss - float32_loss.
+  gap_error: float | None  # Standard error of the per-seed differences.
+
+  @property
+  def within_target(self) -> bool:
+    return math.isfinite(self.gap) and abs(self.gap) <= max(0.01, self.gap_error or 0.0)
+
+
+def row_of(results: dict, reference: dict, case: Case) -> Row | None:
+  """``case``'s row, or None until every seed has run in both files."""
+  bf16, fp32 = runs_of(results, case), float32_runs(reference, case)
+  if not set(SEEDS) <= set(bf16) or not set(SEEDS) <= set(fp32):
+    return None
+  low = [convergence.validation(bf16[s]) for s in SEEDS]
+  high = [convergence.validation(fp32[s]) for s in SEEDS]
+  return Row(
+    case=case,
+    learning_rate=bf16[SEEDS[0]]["learning_rate"],
+    validation_loss=float(np.mean(low)),
+    standard_error=convergence.standard_error(low),
+    float32_loss=float(np.mean(high)),
+    float32_error=convergence.standard_error(high),
+    gap=float(np.mean(low) - np.mean(high)),
+    gap_error=convergence.standard_error(np.subtract(low, high)),
+  )
+
+
+def render(results: dict, reference: dict, names=tuple(optimizers.OPTIMIZERS)) -> str:
+  """The markdown table, one row per case, with the cases not run yet."""
+  planned = cases(reference, names)
+  rows = [row for row in (row_of(results, reference, c) for c in planned) if row is not None]
+  missing = [c for c in planned if c not in {r.case for r in rows}]
+  head = (
+    f"Fine-tuning AdamW's pre-trained weights on the standard library's source with bfloat16 parameters and"
+    f" gradients, small model ({reference['protocol']['n_params'][SIZE]:,} parameters),"
+    f" {convergence.PROTOCOL[SIZE][TASK].steps} steps, seeds {', '.join(map(str, SEEDS))}; the gap is to the same"
+    " optimizer's float32-parameter runs at the same rate and seeds (`convergence.json`)"
+  )
+  if missing:
+    head += ". Partial (not run yet: " + ", ".join(_case_name(c) for c in missing) + ")"
+  lines = [
+    head + ".",
+    "",
+    "| optimizer | rate | bfloat16 rounding | validation loss | float32 parameters | gap | within 0.01 or its SE |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r.case.optimizer} | {r.learning_rate:.1e} ({convergence.rate_name(r.case.exponent)})"
+      f" | {ROUNDINGS[r.case.rounding]}"
+      f" | {convergence._plus_minus(r.validation_loss, r.standard_error, sign='')}"
+      f" | {convergence._plus_minus(r.float32_loss, r.float32_error, sign='')}"
+      f" | {convergence._plus_minus(r.gap, r.gap_error)} | {'yes' if r.within_target else 'no'} |"
+    )
+  return "\n".join(lines)
+
+
+def _case_name(case: Case) -> str:
+  return f"{case.optimizer} {convergence.rate_name(case.exponent)} {case.rounding}"
+
+
+def protocol_json() -> dict:
+  """The protocol stored beside the runs: a resumed benchmark must run the same one."""
+  task = convergence.PROTOCOL[SIZE][TASK]
+  return {
+    "size": SIZE,
+    "task": TASK,
+    "steps": task.steps,
+    "lr_scale": task.lr_scale,
+    "seeds": list(SEEDS),
+    "batch_size": convergence.BATCH_SIZE,
+    "seq_len": convergence.SEQ_LEN,
+    "param_dtype": "bfloat16",
+  }
+
+
+def load(path: pathlib.Path) -> dict:
+  if not path.exists():
+    return {"protocol": protocol_json(), "runs": []}
+  results = json.loads(path.read_text())
+  if results["protocol"] != protocol_json():
+    raise SystemExit(f"{path} holds runs of another protocol; move it away or pass another --results")
+  return results
+
+
+def train_once(case: Case, seed: int, base_params) -> dict:
+  """One run with bfloat16 parameters: its record for the results."""
+  task = convergence.PROTOCOL[SIZE][TASK]
+  spec = optimizers.get(case.optimizer)
+  config = convergence.SIZES[SIZE]
+  peak = spec.default_learning_rate * task.lr_scale * 3.0**case.exponent
+  tx = spec.build(learning_rate_schedule(peak, task.steps), config)
+  if case.rounding == "stochastic":
+    tx = optax_memopt.with_stochastic_rounding(tx, seed=seed)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)
+  start = time.perf_counter()
+  try:
+    result = loop.train(
+      config,
+      tx,
+      steps=task.steps,
+      batch_size=convergence.BATCH_SIZE,
+      seq_len=convergence.SEQ_LEN,
+      seed=seed,
+      corpus=task.corpus,
+      params=params,
+    )
+    validation, diverged = result.validation_loss, None
+  except loop.NonFiniteLossError as error:
+    result, validation, diverged = error.result, None, error.step
+  return {
+    "optimizer": case.optimizer,
+    "exponent": case.exponent,
+    "rounding": case.rounding,
+    "seed": seed,
+    "learning_rate": peak,
+    "validation_loss": validation,
+    "diverged_at_step": diverged,
+    "final_train_loss": None if diverged else float(np.mean(result.train_losses[-20:])),
+    "ms_per_step": 1e3 * result.seconds_per_step if math.isfinite(result.seconds_per_step) else None,
+    "seconds": round(time.perf_counter() - start, 2),
+  }
+
+
+def estimate(results: dict, todo: list[tuple[Case, int]]) -> str:
+  """The time left: each run at the median time of the runs here, or of the float32 runs of convergence.json."""
+  timed = [r["seconds"] for r in results["runs"]]
+  per_run = float(np.median(timed)) if timed else math.nan
+  return f"{len(todo)} runs to go, about {len(todo) * per_run / 60:.0f} min at {per_run:.0f} s a run" + (
+    " (no run timed yet)" if not timed else ""
+  )
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=list(optimizers.OPTIMIZERS),
+    choices=list(convergence.NAMES),
+    help="in this order",
+  )
+  parser.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the JSON results, read and extended")
+  parser.add_argument("--reference", type=pathlib.Path, default=convergence.RESULTS, help="the float32 runs")
+  parser.add_argument(
+    "--cache", type=pathlib.Path, default=pathlib.Path("results"), help="folder of the pre-trained base"
+  )
+  parser.add_argument("--render", action="store_true", help="print the table and exit")
+  parser.add_argument("--estimate", action="store_true", help="print the time left and exit")
+  args = parser.parse_args(argv)
+  reference = convergence.load(args.reference)
+  results = load(args.results)
+  if args.render:
+    print(render(results, reference))
+    return
+  names = [convergence.BASE_OPTIMIZER] + [n for n in args.optimizers if n != convergence.BASE_OPTIMIZER]
+  todo = [(c, s) for c in cases(reference, names) for s in SEEDS if s not in runs_of(results, c)]
+  print(estimate(results, todo), flush=True)
+  if args.estimate or not todo:
+    return
+  key, steps = convergence.base_of(reference["protocol"], SIZE, TASK)
+  base, _ = convergence.pretrained_base(
+    SIZE, steps, reference["bases"][key], args.cache / f"convergence_base_{key}.msgpack"
+  )
+  for count, (case, seed) in enumerate(todo, 1):
+    record = train_once(case, seed, base)
+    results["runs"].append(record)
+    convergence.save(args.results, results)
+    print(
+      f"[{count}/{len(todo)}] {_case_name(case)} seed {seed}: validation"
+      f" {convergence._loss(convergence.validation(record))} ({record['seconds']:.0f} s)",
+      flush=True,
+    )
+  print(render(results, reference))
+
+
+if __name__ == "__main__":
+  main()
