@@ -44,7 +44,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402  (after the environment variable the CUDA plugin reads)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
 
@@ -61,22 +61,24 @@ class GpuCompilerMissing(RuntimeError):
 
 
 @functools.cache
-def target_devices(target: str = "h100", devices: int = 1) -> tuple[Any, ...]:
-  """``devices`` compile-only devices of the GPU ``target`` (one host).
+def target_devices(target: str = "h100", devices: int = 1, hosts: int = 1) -> tuple[Any, ...]:
+  """``devices`` compile-only devices of the GPU ``target`` on each of ``hosts`` hosts, host by host.
 
   Raises:
-    ValueError: for an unknown ``target`` or ``devices`` below 1.
+    ValueError: for an unknown ``target`` or ``devices`` or ``hosts`` below 1.
     GpuCompilerMissing: where JAX's CUDA plugin is missing.
   """
   if target not in TARGETS:
     raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}.")
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
+  if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+    raise ValueError(f"hosts must be an integer >= 1; got {hosts!r}.")
   from jax.experimental.topologies import get_topology_desc
 
   description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
   try:
-    topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x1x{devices}")
+    topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x{hosts}x{devices}")
   except (NotImplementedError, RuntimeError) as error:
     raise GpuCompilerMissing(
       f"Compiling for an {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
@@ -292,6 +294,78 @@ def bytes_moved(hlo: str) -> float:
   return computation_bytes(entry)
 
 
+# The collectives of a sharded program, by the kind a row of the tables names.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collective_bytes(hlo: str) -> dict[str, float]:
+  """Per collective kind, the bytes one device's part of an optimized HLO module carries through collectives.
+
+  A collective carries the larger of its operands and its result (an
+  all-gather's gathered result, a reduce-scatter's whole operand, an
+  all-reduce's array); an asynchronous pair counts once, its operands at
+  ``-start`` and its result at ``-done``. Computations the entry calls
+  (asynchronous wrappers, conditionals, loops) are followed, a while loop's
+  body once per known trip.
+
+  Args:
+    hlo: ``Compiled.as_text()`` of a compiled program (one device's part of
+      an SPMD program).
+
+  Returns:
+    A dict from each kind of :data:`COLLECTIVES` to its bytes (0 for none).
+  """
+  entry, bodies = _computations(hlo)
+  totals = dict.fromkeys(COLLECTIVES, 0.0)
+
+  def walk(name: str, trips: int) -> None:
+    shapes: dict[str, str] = {}
+    started: dict[str, tuple[str, float]] = {}
+    for line in bodies[name]:
+      match = _INSTRUCTION.match(line)
+      if not match:
+        continue
+      result, shape, opcode, arguments = match.groups()
+      shapes[result] = shape
+      operands = [o for o in _operands(arguments) if o in shapes]
+      kind = opcode.removesuffix("-start").removesuffix("-done")
+      if kind in totals:
+        if opcode.endswith("-start"):
+          started[result] = (kind, sum(shape_bytes(shapes[o]) for o in operands))
+        elif opcode.endswith("-done"):
+          kind, sent = started.pop(operands[0]) if operands and operands[0] in started else (kind, 0.0)
+          totals[kind] += trips * max(sent, shape_bytes(shape))
+        else:
+          totals[kind] += trips * max(sum(shape_bytes(shapes[o]) for o in operands), shape_bytes(shape))
+        continue
+      loop_trips = 1
+      if opcode == "while":
+        known = _TRIP_COUNT.search(line)
+        if known is None:
+          raise ValueError(f"while loop {result} has no known trip count; its collectives cannot be counted")
+        loop_trips = int(known.group(1))
+      # An asynchronous wrapper's computation is followed from its start only.
+      if opcode in (
+        "async-update",
+        "async-done",
+        "fusion",
+        "reduce",
+        "scatter",
+        "sort",
+        "map",
+        "reduce-window",
+        "select-and-scatter",
+      ):
+        continue
+      for called in set(_CALLED.findall(line)) | set(re.findall(r"branch_computations=\{([^}]*)\}", line)):
+        for callee in re.findall(r"[\w.\-]+", called):
+          if callee in bodies and not re.search(rf"\bcondition=%?{re.escape(callee)}\b", line):
+            walk(callee, trips * loop_trips)
+
+  walk(entry, 1)
+  return totals
+
+
 # -- one optimizer step, compiled -----------------------------------------------
 
 
@@ -322,6 +396,11 @@ class StepProgram:
     """The peak beyond parameters, gradients and state."""
     return self.peak_bytes - self.param_bytes - self.gradient_bytes - self.state_bytes
 
+  @property
+  def collectives(self) -> dict[str, float]:
+    """The bytes one device's part of the step carries through each kind of collective (:func:`collective_bytes`)."""
+    return collective_bytes(self.hlo)
+
 
 def _placed(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
@@ -335,12 +414,25 @@ def _per_device_bytes(tree: Any) -> int:
   return total
 
 
+def _fsdp_tp_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """A matrix's first axis over ``fsdp`` and last over ``tp``, each where it divides; vectors replicated."""
+  if len(shape) < 2:
+    return PartitionSpec()
+  spec = [None] * len(shape)
+  for dim, axis in ((0, "fsdp"), (len(shape) - 1, "tp")):
+    if shape[dim] % mesh.shape[axis] == 0:
+      spec[dim] = axis
+  return PartitionSpec(*spec)
+
+
 def compile_step(
   tx: optax.GradientTransformation,
   params: Any,
   *,
   target: str = "h100",
   devices: int = 1,
+  hosts: int = 1,
+  tensor_parallel: int = 1,
 ) -> StepProgram:
   """Compiles ``tx``'s donated step (update, then ``optax.apply_updates``) for ``target``.
 
@@ -353,6 +445,11 @@ def compile_step(
       each parameter along a dimension ``devices`` divides
       (:func:`optax_memopt.sharding.split_spec`), the state by
       :func:`optax_memopt.state_shardings`.
+    hosts: hosts of ``devices`` GPUs each; the step is sharded over all
+      ``hosts * devices`` of them.
+    tensor_parallel: devices of a host that split each matrix's last axis
+      (where it divides it) as well, FSDP over the rest splitting its first
+      axis, as in ``docs/sharding.md``; vectors are replicated then.
 
   Returns:
     The compiled program's :class:`StepProgram`.
@@ -360,10 +457,18 @@ def compile_step(
   Raises:
     GpuCompilerMissing: where JAX's CUDA plugin is missing.
   """
-  device_list = target_devices(target, devices)
+  if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+    raise ValueError(f"tensor_parallel must be an integer >= 1; got {tensor_parallel!r}.")
+  if devices % tensor_parallel:
+    raise ValueError(f"tensor_parallel must divide devices={devices}; got {tensor_parallel}.")
+  device_list = target_devices(target, devices, hosts)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   state = jax.eval_shape(tx.init, shapes)
-  if devices == 1:
+  if tensor_parallel > 1:
+    mesh = Mesh(np.array(device_list).reshape(-1, tensor_parallel), ("fsdp", "tp"))
+    param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, _fsdp_tp_spec(p.shape, mesh)), shapes)
+    state_sharding = state_shardings(state, shapes, param_shardings, mesh)
+  elif len(device_list) == 1:
     single = SingleDeviceSharding(device_list[0])
     param_shardings = jax.tree.map(lambda _: single, shapes)
     state_sharding = jax.tree.map(lambda _: single, state)

@@ -142,11 +142,74 @@ def test_a_while_loop_without_a_known_trip_count_is_refused():
     gpu_compile.bytes_moved(HLO.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))
 
 
+# A sharded module's collectives: a synchronous all-reduce of f32[1024] and
+# an asynchronous all-gather pair of bf16[256] -> bf16[2048] in the entry, a
+# reduce-scatter of f32[4096] -> f32[512] wrapped in an async computation,
+# and a collective-permute of s32[8] in a while loop of 5 trips.
+COLLECTIVES_HLO = """HloModule jit_step
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%wrapped_reduce_scatter (w: f32[4096]) -> f32[512] {
+  %w = f32[4096]{0} parameter(0)
+  ROOT %rs = f32[512]{0} reduce-scatter(%w), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+}
+
+%body (state: (s32[], s32[8])) -> (s32[], s32[8]) {
+  %state = (s32[], s32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %v = s32[8]{0} get-tuple-element(%state), index=1
+  %permuted = s32[8]{0} collective-permute(%v), source_target_pairs={{0,1},{1,0}}
+  ROOT %next = (s32[], s32[8]{0}) tuple(%i, %permuted)
+}
+
+%cond (state: (s32[], s32[8])) -> pred[] {
+  %state = (s32[], s32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[1024], b: bf16[256], c: f32[4096], d: s32[8]) -> (f32[1024], bf16[2048], f32[512]) {
+  %a = f32[1024]{0} parameter(0)
+  %b = bf16[256]{0} parameter(1)
+  %c = f32[4096]{0} parameter(2)
+  %d = s32[8]{0} parameter(3)
+  %reduced = f32[1024]{0} all-reduce(%a), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %gather-start = (bf16[256]{0}, bf16[2048]{0}) all-gather-start(%b), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %gather-done = bf16[2048]{0} all-gather-done(%gather-start)
+  %rs-start = ((f32[4096]{0}), f32[512]{0}) async-start(%c), calls=%wrapped_reduce_scatter
+  %rs-done = f32[512]{0} async-done(%rs-start), calls=%wrapped_reduce_scatter
+  %zero = s32[] constant(0)
+  %init = (s32[], s32[8]{0}) tuple(%zero, %d)
+  %loop = (s32[], s32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = (f32[1024]{0}, bf16[2048]{0}, f32[512]{0}) tuple(%reduced, %gather-done, %rs-done)
+}
+"""
+
+
+def test_collective_bytes_counts_each_collective_once_at_its_larger_side():
+  assert gpu_compile.collective_bytes(COLLECTIVES_HLO) == {
+    "all-reduce": 4 * 1024,
+    "all-gather": 2 * 2048,  # the gathered result, not the start's tuple of operand and result
+    "reduce-scatter": 4 * 4096,  # the whole operand, once though the async pair names the computation twice
+    "all-to-all": 0,
+    "collective-permute": 5 * 4 * 8,  # once per trip
+  }
+  assert set(gpu_compile.collective_bytes(HLO).values()) == {0}
+
+
 def test_unknown_targets_and_device_counts_are_refused_by_name():
   with pytest.raises(ValueError, match="target must be one of h100"):
     gpu_compile.target_devices("a100")
   with pytest.raises(ValueError, match="devices must be an integer >= 1"):
     gpu_compile.target_devices("h100", 0)
+  with pytest.raises(ValueError, match="hosts must be an integer >= 1"):
+    gpu_compile.target_devices("h100", 8, 0)
 
 
 @pytest.mark.skipif(PLUGIN, reason="the CUDA plugin is installed")
@@ -197,6 +260,23 @@ def test_a_sharded_step_is_compiled_per_device():
   program = gpu_compile.compile_step(optax.adamw(1e-3), params, devices=4)
   assert program.param_bytes == 4 * 1024 * 4096 // 4
   assert program.moved_bytes / (program.n_params / 4) == pytest.approx(28, rel=1e-3)
+
+
+@needs_plugin
+def test_collectives_of_a_program_compiled_for_two_hosts_of_eight():
+  params = {"w": jax.ShapeDtypeStruct((1024, 4096), jnp.float32)}
+  # AdamW's elementwise step moves nothing between devices.
+  program = gpu_compile.compile_step(optax.adamw(1e-3), params, devices=8, hosts=2)
+  assert program.param_bytes == 4 * 1024 * 4096 // 16
+  assert set(program.collectives.values()) == {0}
+  # A global norm (clipping) all-reduces a scalar: 4 bytes.
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  program = gpu_compile.compile_step(clipped, params, devices=8, hosts=2)
+  assert program.collectives == {**dict.fromkeys(gpu_compile.COLLECTIVES, 0), "all-reduce": 4}
+  # Tensor parallelism over the last axis as well: still elementwise, nothing moves.
+  program = gpu_compile.compile_step(optax.adamw(1e-3), params, devices=8, tensor_parallel=2)
+  assert program.param_bytes == 4 * 1024 * 4096 // 8
+  assert set(program.collectives.values()) == {0}
 
 
 @needs_plugin
