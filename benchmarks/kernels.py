@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import quantize, topk
+from pallas_kernels import quantize
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
 
-TOPK_BLOCK, TOPK_DENSITY = 16384, 0.01
 BUCKET = 1024
 
 
@@ -47,17 +46,7 @@ def _normal(key, size, dtype=jnp.float32):
 
 
 def _cases() -> list[KernelCase]:
-  k = int(np.ceil(TOPK_BLOCK * TOPK_DENSITY))
-  cases = [
-    KernelCase(
-      "block_topk f32",
-      lambda key, n: (_normal(key, n),),
-      lambda x, implementation: topk.block_topk(
-        x, density=TOPK_DENSITY, block_size=TOPK_BLOCK, implementation=implementation
-      ),
-      lambda n: 4 * n + 6 * (n // TOPK_BLOCK) * k,
-    ),
-  ]
+  cases = []
   for bits in quantize.SUPPORTED_BITS:
     cases += [
       KernelCase(

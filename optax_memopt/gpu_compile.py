@@ -37,7 +37,7 @@ import os
 import re
 import types
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -246,7 +246,7 @@ def _fusion_traffic(body: list[str], read: list[float], written: float) -> tuple
   return read, written
 
 
-def bytes_moved(hlo: str) -> float:
+def bytes_moved(hlo: str, branch: Callable[[list[float]], float] = max) -> float:
   """Bytes an optimized HLO module's entry computation moves through device memory.
 
   Each top-level operation reads its operands and writes its results once
@@ -255,6 +255,9 @@ def bytes_moved(hlo: str) -> float:
 
   Args:
     hlo: ``Compiled.as_text()`` of a compiled program.
+    branch: which of a conditional's branches counts, given their bytes:
+      ``max``, the costliest step (a step of GaLore that recomputes its
+      projections); ``min``, the cheapest (its steps in between).
 
   Returns:
     The bytes, in total.
@@ -281,7 +284,7 @@ def bytes_moved(hlo: str) -> float:
         continue
       if opcode in ("call", "conditional"):
         called = _CALLED.findall(line) or re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[-1])
-        total += max((computation_bytes(c) for c in called if c in bodies), default=0.0)
+        total += branch([computation_bytes(c) for c in called if c in bodies] or [0.0])
         continue
       operands = [o for o in _operands(arguments) if o in shapes]
       read, written = [shape_bytes(shapes[o]) for o in operands], shape_bytes(shape)
@@ -395,6 +398,11 @@ class StepProgram:
   def temporaries_bytes(self) -> int:
     """The peak beyond parameters, gradients and state."""
     return self.peak_bytes - self.param_bytes - self.gradient_bytes - self.state_bytes
+
+  @property
+  def cheapest_moved_bytes(self) -> float:
+    """``moved_bytes`` with each conditional's cheapest branch: less only where a step branches."""
+    return bytes_moved(self.hlo, branch=min)
 
   @property
   def collectives(self) -> dict[str, float]:

@@ -30,7 +30,6 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 # Per op, whether its Pallas kernel beat XLA on a Hopper GPU (H200). One table,
 # so that a new measurement changes one line.
 FASTER_ON_HOPPER: dict[str, bool] = {
-  "block_topk": False,
   "quantize": True,
   # MicroAdam's error feedback re-encoded without writing it in float32.
   "requantize_unselected": True,

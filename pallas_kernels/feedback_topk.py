@@ -138,7 +138,7 @@ def _feedback_topk(q, y, *, density, block_size, bits, bucket_size, implementati
     accumulated = quantize.dequantize_add(
       q, flat.astype(jnp.float32), bits=bits, bucket_size=bucket_size, implementation="xla"
     )
-    return topk.block_topk(accumulated, density=density, block_size=block_size, implementation="xla")
+    return topk.block_topk(accumulated, density=density, block_size=block_size)
   full_blocks, tail = divmod(flat.size, block_size)
   indices, values = [], []
   if full_blocks:

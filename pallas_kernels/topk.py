@@ -21,29 +21,17 @@ infinities (they count as the largest magnitudes, ordered among themselves by
 their bits). Equal keys break toward the lower index, so every implementation
 selects exactly the same set. Narrower floats (bf16, fp16, fp8) are ranked by
 the key of their exact float32 upcast; float64 (only with ``jax_enable_x64``)
-by its float32 rounding, and only the XLA implementation takes it.
+by its float32 rounding.
 
 ``block_topk_reference`` states the selection in a few lines (``lax.top_k``
-per block). The implementations of ``block_topk`` (``implementation=``):
-
-* ``"xla"``: the reference's selection, tuned: ``lax.top_k`` sees the keys
-  as float32 bit patterns (the same order; XLA:CPU's partial-sort top-k is
-  for floats only), and at low density runs in two exact stages: the top
-  ``k`` groups of ``g`` entries by their maximum key, then the top ``k`` of
-  those ``k g`` candidates.
-* ``"pallas"``: neither Mosaic GPU nor Triton lowers sort or top-k inside a
-  kernel, so the selection is split in two. A Mosaic GPU kernel (a grid over
-  blocks, each block read as rows of 256) finds each block's threshold ``T``,
-  the k-th largest key, by a 31-step bisection on the key bits, and how many
-  entries equal to ``T`` are taken (``k - #{key > T}``). Compacting the
-  selected entries densely needs a prefix sum, which Mosaic GPU lacks, so it
-  runs in XLA from the per-block thresholds (cumsum + scatter). Block sizes
-  must be multiples of ``KERNEL_ROW = 256``; a tail is zero padded to whole
-  rows, which never changes its selection. Float64 input is refused.
-* ``"interpret"``: the same kernel run by the Mosaic GPU interpreter (CPU).
-* ``None``: the default of ``dispatch.FASTER_ON_HOPPER["block_topk"]``: XLA,
-  whose ``TopK`` was about 3x faster than the kernel's 31 sweeps per block on
-  an H200 (``benchmarks/README.md``).
+per block). ``block_topk`` is the same selection tuned for XLA:
+``lax.top_k`` sees the keys as float32 bit patterns (the same order;
+XLA:CPU's partial-sort top-k is for floats only), and at low density runs in
+two exact stages: the top ``k`` groups of ``g`` entries by their maximum
+key, then the top ``k`` of those ``k g`` candidates. It has no kernel of its
+own: on a GPU, MicroAdam selects with ``feedback_topk``'s Triton kernel,
+which reads the error feedback and the gradient once and uses this module's
+selection rule (``kth_largest_key``, ``chosen_by_threshold``).
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -61,9 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _backend, dispatch, static_args
+from pallas_kernels import static_args
 
-KERNEL_ROW = 256
 # Block-local indices (0 .. block_size - 1) must fit in int32.
 MAX_BLOCK_SIZE = 2**31
 # Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
@@ -132,9 +119,10 @@ def selection_size(size: int, *, density: float, block_size: int) -> int:
 def magnitude_key(x: jax.Array) -> jax.Array:
   """The int32 key that ranks entries: the bits of ``|float32(x)|``.
 
-  Shared by the kernel body and the XLA code. The sign bit is masked in
-  uint32 (Mosaic GPU only does bit operations on 32-bit unsigned integers);
-  the result is below ``2**31``, so the cast to int32 is exact.
+  Shared by the kernels (``feedback_topk``, ``quantize.requantize_unselected``)
+  and the XLA code. The sign bit is masked in uint32 (Mosaic GPU only does
+  bit operations on 32-bit unsigned integers); the result is below
+  ``2**31``, so the cast to int32 is exact.
   """
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   return (bits & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
@@ -176,10 +164,9 @@ def block_topk_reference(x: jax.Array, *, density: float, block_size: int) -> tu
 def kth_largest_key(count_at_least: Callable[[jax.Array], jax.Array], k: int) -> jax.Array:
   """The k-th largest magnitude key, by bisection on its bits from the top down.
 
-  Keeps the largest ``T`` with ``count_at_least(T) = #{key >= T} >= k``. Shared
-  by the kernels, which count over what they hold (rows of a block in
-  memory, or a block in registers); shifts are on uint32, as Mosaic GPU
-  wants them.
+  Keeps the largest ``T`` with ``count_at_least(T) = #{key >= T} >= k``, by
+  31 counts over what the caller holds (``feedback_topk``'s kernel: a block
+  in registers); shifts are on uint32.
   """
 
   def bisect(step, threshold):
@@ -199,60 +186,6 @@ def chosen_by_threshold(keys: jax.Array, threshold: jax.Array, ties: jax.Array) 
   at_threshold = keys == threshold
   tie_rank = jnp.cumsum(at_threshold.astype(jnp.int32), axis=-1)
   return (keys > threshold) | (at_threshold & (tie_rank <= ties))
-
-
-def _threshold_kernel(x_ref, threshold_ref, ties_ref, *, k: int, rows: int):
-  """Per block ``b`` of ``x_ref[n_blocks, rows, 256]``: its k-th largest key and ties.
-
-  Bisection from the top bit down keeps the largest ``T`` with
-  ``#{key >= T} >= k``, which is the k-th largest key; ``ties = k - #{key > T}``
-  entries equal to ``T`` complete the selection. Every count is a loop over
-  the block's rows with a full reduction of each 256-vector.
-  """
-  block = lax.axis_index("blocks")
-
-  def count(predicate):
-    def add_row(row, total):
-      keys = magnitude_key(x_ref[block, row])
-      return total + jnp.sum(predicate(keys).astype(jnp.int32))
-
-    return lax.fori_loop(0, rows, add_row, jnp.int32(0))
-
-  threshold = kth_largest_key(lambda candidate: count(lambda keys: keys >= candidate), k)
-  threshold_ref[block] = threshold
-  ties_ref[block] = k - count(lambda keys: keys > threshold)
-
-
-def _kernel_thresholds(blocks: jax.Array, k: int, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
-  """Runs ``_threshold_kernel`` on ``blocks[n_blocks, width]``, width a multiple of 256."""
-  n_blocks, width = blocks.shape
-  rows = width // KERNEL_ROW
-  per_block = jax.ShapeDtypeStruct((n_blocks,), jnp.int32)
-  kernel = _backend.mosaic_gpu_kernel(
-    functools.partial(_threshold_kernel, k=k, rows=rows),
-    out_type=(per_block, per_block),
-    grid=(n_blocks,),
-    grid_names=("blocks",),
-    interpret=interpret,
-  )
-  return kernel(blocks.reshape(n_blocks, rows, KERNEL_ROW))
-
-
-def _compact(keys: jax.Array, threshold: jax.Array, ties: jax.Array, k: int) -> jax.Array:
-  """Ascending block-local indices of each block's selection, from its threshold.
-
-  Takes every key above ``threshold`` and the first ``ties`` keys equal to it
-  in index order, and writes their indices densely: a prefix sum gives each
-  chosen entry its slot. Runs in XLA because Mosaic GPU has no prefix sum.
-  """
-  n_blocks, width = keys.shape
-  chosen = chosen_by_threshold(keys, threshold[:, None], ties[:, None])
-  slot = jnp.cumsum(chosen, axis=1, dtype=jnp.int32) - 1
-  # Unchosen entries aim past the last slot and are dropped by the scatter.
-  slot = jnp.where(chosen, slot, k)
-  block = jnp.arange(n_blocks, dtype=jnp.int32)[:, None]
-  position = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), keys.shape)
-  return jnp.zeros((n_blocks, k), jnp.int32).at[block, slot].set(position, mode="drop")
 
 
 def _as_float_key(keys: jax.Array) -> jax.Array:
@@ -308,25 +241,12 @@ def _select_xla(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return indices, jnp.take_along_axis(candidates, chosen, axis=1)
 
 
-def _select_pallas(blocks: jax.Array, k: int, *, interpret: bool) -> jax.Array:
-  # A tail that is not whole rows is zero padded: the padding has the smallest
-  # key and the highest indices, so with k <= width it is never selected.
-  width = blocks.shape[1]
-  padded = jnp.pad(blocks, ((0, 0), (0, -width % KERNEL_ROW)))
-  threshold, ties = _kernel_thresholds(padded, k, interpret=interpret)
-  return _compact(magnitude_key(blocks), threshold, ties, k)
-
-
-@functools.partial(jax.jit, static_argnames=("density", "block_size", "implementation"))
-def _block_topk(x: jax.Array, *, density: float, block_size: int, implementation: str) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("density", "block_size"))
+def _block_topk(x: jax.Array, *, density: float, block_size: int) -> tuple[jax.Array, jax.Array]:
   index_dtype = static_args.index_dtype(block_size)
   indices, values = [], []
   for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
-    if implementation == "xla":
-      selected, kept = _select_xla(blocks, keep)
-    else:
-      selected = _select_pallas(blocks, keep, interpret=implementation == "interpret")
-      kept = jnp.take_along_axis(blocks, selected, axis=1)
+    selected, kept = _select_xla(blocks, keep)
     indices.append(selected.astype(index_dtype).reshape(-1))
     values.append(kept.reshape(-1))
   if not indices:
@@ -334,24 +254,11 @@ def _block_topk(x: jax.Array, *, density: float, block_size: int, implementation
   return jnp.concatenate(indices), jnp.concatenate(values)
 
 
-def _kernel_unsupported_reason(x: jax.Array, block_size: int) -> str | None:
-  if block_size % KERNEL_ROW:
-    return (
-      f"block_size must be a multiple of {KERNEL_ROW} for the Pallas kernel"
-      f" (a block is whole rows of {KERNEL_ROW}); got {block_size}."
-      " Use implementation='xla' for other block sizes."
-    )
-  if jnp.dtype(x.dtype).itemsize > 4:
-    return f"x must be a float type of at most 32 bits for the Pallas kernel; got {x.dtype}. Use implementation='xla'."
-  return None
-
-
 def block_topk(
   x: jax.Array,
   *,
   density: float,
   block_size: int,
-  implementation: dispatch.Implementation = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The ``density`` fraction of largest magnitudes in every block of ``block_size``.
 
@@ -368,11 +275,7 @@ def block_topk(
   Args:
     x: a float array of any shape; it is flattened.
     density: fraction of each block kept, in ``(0, 1]``.
-    block_size: elements per block, in ``[1, 2**31]``; the Pallas kernel
-      needs a multiple of 256.
-    implementation: ``None`` (the op's default, ``dispatch``), ``"xla"``,
-      ``"pallas"`` or ``"interpret"``; ``"pallas"`` and ``"interpret"``
-      raise for what the kernel cannot do, ``None`` then takes XLA.
+    block_size: elements per block, in ``[1, 2**31]``.
 
   Returns:
     ``(indices, values)``, both of shape ``(selection_size(x.size,
@@ -383,9 +286,7 @@ def block_topk(
 
   Raises:
     ValueError: for ``density`` or ``block_size`` out of range (or traced),
-      non-float ``x``, an unknown ``implementation``, or a Pallas
-      implementation asked for a block size or dtype the kernel does not
-      support.
+      or non-float ``x``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -403,13 +304,7 @@ def block_topk(
     https://arxiv.org/abs/2405.15593
   """
   density, block_size = _check_block_params(density, block_size)
-  x = _float_array(x)
-  return dispatch.run(
-    "block_topk",
-    implementation,
-    lambda resolved: _block_topk(x, density=density, block_size=block_size, implementation=resolved),
-    unsupported=_kernel_unsupported_reason(x, block_size),
-  )
+  return _block_topk(_float_array(x), density=density, block_size=block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
@@ -551,20 +446,3 @@ def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, densit
       f" {jnp.shape(indices)} and {jnp.shape(values)}."
     )
   return _zero_selected(x, indices, values, density=density, block_size=block_size)
-
-
-def lowering_examples() -> list[_backend.LoweringExample]:
-  """The threshold kernel at MicroAdam's block sizes, at density 1%, with a tail."""
-  examples = []
-  for block_size, dtype in ((16384, jnp.float32), (28672, jnp.bfloat16)):
-    size = 4 * block_size + 1000  # four full blocks and a padded tail block
-    fn = functools.partial(block_topk, density=0.01, block_size=block_size, implementation="pallas")
-    examples.append(
-      _backend.LoweringExample(
-        name=f"block_topk_threshold_{block_size}_{jnp.dtype(dtype).name}",
-        backend=_backend.MOSAIC_GPU_CALL,
-        fn=fn,
-        args=(jax.ShapeDtypeStruct((size,), dtype),),
-      )
-    )
-  return examples

@@ -142,6 +142,40 @@ def test_a_while_loop_without_a_known_trip_count_is_refused():
     gpu_compile.bytes_moved(HLO.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))
 
 
+# A step that branches, as optax.contrib.galore's does (its SVD every
+# update_proj_gap steps): a conditional, written as XLA:GPU writes a lax.cond,
+# whose true branch copies f32[1024] twice and whose false branch once.
+BRANCHING_HLO = """HloModule jit_step
+
+%twice (p: (f32[1024])) -> (f32[1024]) {
+  %p = (f32[1024]{0}) parameter(0)
+  %x = f32[1024]{0} get-tuple-element(%p), index=0
+  %one = f32[1024]{0} copy(%x)
+  %two = f32[1024]{0} copy(%one)
+  ROOT %out = (f32[1024]{0}) tuple(%two)
+}
+
+%once (p: (f32[1024])) -> (f32[1024]) {
+  %p = (f32[1024]{0}) parameter(0)
+  %x = f32[1024]{0} get-tuple-element(%p), index=0
+  %one = f32[1024]{0} copy(%x)
+  ROOT %out = (f32[1024]{0}) tuple(%one)
+}
+
+ENTRY %main (flag: pred[], a: f32[1024]) -> (f32[1024]) {
+  %flag = pred[] parameter(0)
+  %a = f32[1024]{0} parameter(1)
+  %args = (f32[1024]{0}) tuple(%a)
+  ROOT %cond = (f32[1024]{0}) conditional(%flag, %args, %args), true_computation=%twice, false_computation=%once
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch_or_on_request_its_cheapest():
+  assert gpu_compile.bytes_moved(BRANCHING_HLO) == 2 * 8192
+  assert gpu_compile.bytes_moved(BRANCHING_HLO, branch=min) == 8192
+
+
 # A sharded module's collectives: a synchronous all-reduce of f32[1024] and
 # an asynchronous all-gather pair of bf16[256] -> bf16[2048] in the entry, a
 # reduce-scatter of f32[4096] -> f32[512] wrapped in an async computation,

@@ -278,7 +278,7 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
   q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, implementation="xla", **kwargs)
   y = jnp.asarray(y.reshape(shape), dtype)
   x = quantize.dequantize_add(q, y.astype(jnp.float32), implementation="xla", **kwargs).reshape(-1)
-  indices, values = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
+  indices, values = topk.block_topk(x, density=density, block_size=block_size)
   selection = dict(density=density, block_size=block_size)
   results = {
     implementation: quantize.requantize_unselected(
@@ -305,7 +305,7 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
 def test_requantize_unselected_kernel_needs_buckets_inside_blocks():
   x = jnp.ones(1024)
   q = quantize.quantize(x, bits=4, bucket_size=512, implementation="xla")
-  indices, values = topk.block_topk(x, density=0.1, block_size=768, implementation="xla")
+  indices, values = topk.block_topk(x, density=0.1, block_size=768)
   requantized = functools.partial(
     quantize.requantize_unselected, q, x, indices, values, density=0.1, block_size=768, bits=4, bucket_size=512
   )

@@ -1,11 +1,9 @@
 """Block top-k: the plain-jnp reference against a numpy re-derivation and the
-selection's defining properties; the tuned XLA path and the Pallas threshold
-kernel (Mosaic GPU interpreter) against the reference, exactly; the automatic
-choice of implementation on a (faked) Hopper GPU."""
+selection's defining properties; the tuned XLA path against the reference,
+exactly."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import chex
@@ -16,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend, dispatch, topk
+from pallas_kernels import topk
 
 pytestmark = pytest.mark.kernels
 
@@ -75,7 +73,7 @@ def assert_same_selection(actual, expected, message: str):
 
 
 # (shape, density, block_size): whole blocks (k = 6), full blocks and a tail
-# that is not whole rows of 256 (k = 9, tail 5), a 2-element tail (keeps 1),
+# (k = 9, tail 5), a 2-element tail (keeps 1),
 # only a tail, k = 1, k = block_size, and tails of 456 at density 0.05
 # (keep 23, where ceil(k r / D) would keep 24).
 CASES = [
@@ -93,16 +91,6 @@ KINDS = ["normal", "integers", "sparse", "special"]
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, density, block_size", CASES)
-def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtype, kind, seed):
-  x = draw_input(kind, shape, dtype, seed)
-  expected = topk.block_topk_reference(x, density=density, block_size=block_size)
-  actual = topk.block_topk(x, density=density, block_size=block_size, implementation="interpret")
-  assert_same_selection(actual, expected, f"seed={seed}")
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
   "shape, density, block_size",
   CASES + [((5, 301), 0.035, 200), ((3, 4096), 0.01, 4096)],  # one stage; two stages (k = 41, groups of 8)
@@ -110,17 +98,8 @@ def test_kernel_in_interpreter_equals_reference(shape, density, block_size, dtyp
 def test_xla_equals_reference(shape, density, block_size, dtype, kind, seed):
   x = draw_input(kind, shape, dtype, seed)
   expected = topk.block_topk_reference(x, density=density, block_size=block_size)
-  actual = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
+  actual = topk.block_topk(x, density=density, block_size=block_size)
   assert_same_selection(actual, expected, f"seed={seed}")
-
-
-@pytest.mark.parametrize("shape, density, block_size", CASES)
-def test_every_kernel_case_reaches_the_kernel(shape, density, block_size):
-  text = _backend.lower_for_cuda(
-    functools.partial(topk.block_topk, density=density, block_size=block_size, implementation="pallas"),
-    jax.ShapeDtypeStruct(shape, jnp.float32),
-  )
-  assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -150,7 +129,7 @@ def test_selection_properties(data, block_size, size, density, bfloat16):
     label="x",
   )
   x = jnp.asarray(np.array(elements, np.float32), jnp.bfloat16 if bfloat16 else jnp.float32)
-  indices, values = topk.block_topk(x, density=density, block_size=block_size, implementation="xla")
+  indices, values = topk.block_topk(x, density=density, block_size=block_size)
 
   assert indices.dtype == jnp.int16 and values.dtype == x.dtype
   magnitudes = np.abs(np.asarray(x.astype(jnp.float32)))
@@ -206,27 +185,22 @@ def test_selection_size_counts_every_block(size, block_size, density):
   assert topk.selection_size(size, density=density, block_size=block_size) == expected
 
 
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-def test_all_equal_magnitudes_take_the_lowest_indices(implementation):
+def test_all_equal_magnitudes_take_the_lowest_indices():
   x = jnp.array([1.0, -1.0] * 384)  # 768 = three blocks of 256
-  indices, values = topk.block_topk(x, density=0.01, block_size=256, implementation=implementation)
+  indices, values = topk.block_topk(x, density=0.01, block_size=256)
   np.testing.assert_array_equal(indices, np.tile([0, 1, 2], 3))
   np.testing.assert_array_equal(values, np.tile([1.0, -1.0, 1.0], 3))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-def test_nans_rank_above_infinities(implementation):
+def test_nans_rank_above_infinities():
   x = jnp.zeros(256).at[jnp.array([3, 50, 90, 200])].set(jnp.array([-jnp.inf, jnp.nan, jnp.inf, -jnp.nan]))
-  indices, _ = topk.block_topk(x, density=0.01, block_size=256, implementation=implementation)
+  indices, _ = topk.block_topk(x, density=0.01, block_size=256)
   np.testing.assert_array_equal(indices, [3, 50, 200])
 
 
 @pytest.mark.parametrize("shape", [(0,), (0, 3)])
-@pytest.mark.parametrize("implementation", [None, "xla", "interpret"])
-def test_empty_input_gives_an_empty_selection(shape, implementation):
-  indices, values = topk.block_topk(
-    jnp.zeros(shape, jnp.bfloat16), density=0.01, block_size=256, implementation=implementation
-  )
+def test_empty_input_gives_an_empty_selection(shape):
+  indices, values = topk.block_topk(jnp.zeros(shape, jnp.bfloat16), density=0.01, block_size=256)
   assert indices.shape == values.shape == (0,)
   assert indices.dtype == jnp.int16 and values.dtype == jnp.bfloat16
 
@@ -256,9 +230,6 @@ def test_numpy_scalar_arguments_and_jit(seed):
     (dict(density=0.1, block_size=0), "block_size"),
     (dict(density=0.1, block_size=2**31 + 1), "block_size"),
     (dict(density=0.1, block_size=256.0), "block_size"),
-    (dict(density=0.1, block_size=256, implementation="cuda"), "implementation"),
-    (dict(density=0.1, block_size=100, implementation="interpret"), "block_size"),
-    (dict(density=0.1, block_size=100, implementation="pallas"), "block_size"),
   ],
 )
 def test_bad_arguments_name_themselves(kwargs, argument):
@@ -276,44 +247,8 @@ def test_traced_shape_arguments_say_to_make_them_static(argument):
 def test_bad_x_and_size_name_themselves():
   with pytest.raises(ValueError, match="^x must"):
     topk.block_topk(jnp.ones(300, jnp.int32), density=0.1, block_size=256)
-  with jax.enable_x64(True):
-    with pytest.raises(ValueError, match="^x must"):
-      topk.block_topk(jnp.ones(300, jnp.float64), density=0.1, block_size=256, implementation="interpret")
   with pytest.raises(ValueError, match="^size must"):
     topk.selection_size(-1, density=0.1, block_size=256)
-
-
-@pytest.fixture
-def on_hopper(monkeypatch):
-  """Fakes a Hopper GPU as the default device; returns the lowered program's text of a call."""
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  return monkeypatch
-
-
-def lowered_block_topk(x, **kwargs) -> str:
-  return _backend.lower_for_cuda(functools.partial(topk.block_topk, **kwargs), x)
-
-
-@pytest.mark.parametrize("kernel_faster", [True, False])
-def test_auto_on_hopper_runs_the_path_the_table_names(on_hopper, kernel_faster):
-  on_hopper.setitem(dispatch.FASTER_ON_HOPPER, "block_topk", kernel_faster)
-  x = jax.ShapeDtypeStruct((1000,), jnp.float32)
-  text = lowered_block_topk(x, density=0.01, block_size=256)
-  assert ("mosaic_gpu" in text) == kernel_faster
-  # And for a block size the kernel lacks, XLA, whatever the table says.
-  assert "mosaic_gpu" not in lowered_block_topk(x, density=0.01, block_size=100)
-
-
-def test_auto_on_hopper_follows_the_shipped_table(on_hopper):
-  text = lowered_block_topk(jax.ShapeDtypeStruct((1000,), jnp.float32), density=0.01, block_size=256)
-  assert ("mosaic_gpu" in text) == dispatch.FASTER_ON_HOPPER["block_topk"]
-
-
-def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "block_topk", True)
-  text = lowered_block_topk(jax.ShapeDtypeStruct((1000,), jnp.float32), density=0.01, block_size=256)
-  assert "mosaic_gpu" not in text
 
 
 def numpy_zero_selected(x, density: float, block_size: int) -> np.ndarray:
