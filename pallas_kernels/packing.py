@@ -1,8 +1,7 @@
-"""The planar byte layout shared by every packed code in the library.
+"""The planar byte layout of ``pallas_kernels.quantize``'s packed codes.
 
 Several small codes share one byte: ``planes`` codes of ``base`` levels each
-(4-bit: 2 of 16; 8-bit: 1 of 256; 2-bit ternary: 4 of 4; base-3 ternary:
-5 of 3, since 3**5 = 243 <= 256). A flat array of codes is cut into rows of
+(4-bit: 2 of 16; 8-bit: 1 of 256). A flat array of codes is cut into rows of
 ``planes * 128`` codes; each row is ``planes`` planes of 128 consecutive codes,
 and byte ``j`` of the row holds code ``j`` of every plane::
 
@@ -13,6 +12,12 @@ so a 4-bit row pairs element ``j`` with element ``j + 128``, never ``2j`` with
 de-interleave neighbours, and this layout is one that every backend produces.
 A last, shorter row of ``r`` codes uses planes of ``ceil(r / planes)`` codes
 (zero padded), so ``n`` codes always take exactly ``ceil(n / planes)`` bytes.
+
+The library packs two other formats, each laid out beside its format's code:
+ternary Adam's trits in planes of ``ceil(block_size / planes)`` bytes per
+scale block (``pallas_kernels.ternary``, which shares ``combine_planes``),
+and 4-bit AdamW's two moments in one byte per element, ``m`` in the low
+nibble and ``v`` in the high (``pallas_kernels.lowbit_adamw_update``).
 
 ``combine_planes``/``split_planes`` work on loaded values, so the same code
 runs inside a Pallas kernel body and in the XLA implementations.
@@ -71,9 +76,10 @@ def _append_in_place(body: jax.Array, last: jax.Array) -> jax.Array:
   """``concatenate([body, last])`` with ``body`` written in place into the result.
 
   XLA:CPU fuses the producers of a ``concatenate`` into it and then picks the
-  operand element by element, which stops vectorization: with a costly
-  ``body`` (a fused optimizer step) that is several times slower. Dynamic
-  updates of a buffer are emitted as plain loops over the update instead.
+  operand element by element, which stops vectorization: a costly ``body``
+  (a fused optimizer step) would then run without vector instructions.
+  Dynamic updates of a buffer are emitted as plain loops over the update
+  instead.
   """
   if not last.size:
     return body
