@@ -19,13 +19,13 @@ Implementations (``implementation=``):
   groups) and sorts.
 * ``"pallas"``: a Triton kernel (``pl.pallas_call``), one program per full
   block held in registers. Mosaic GPU has no prefix sum, which compaction
-  needs (``../shared/specs/kernels.md``), so this kernel is Triton's. It
-  decodes and adds, finds the k-th largest magnitude key ``T`` by a 31-step
-  bisection on the key bits (``topk.magnitude_key``), takes the keys above
-  ``T`` and the first ``k - #{key > T}`` keys equal to it in index order,
-  and writes their indices and values at slots given by a prefix sum: ``y``
-  and the codes are read once. A tail block (``d mod block_size``
-  elements) takes the XLA path. ``block_size`` and ``bucket_size`` must be
+  needs, so this kernel is Triton's. It decodes and adds, finds the k-th
+  largest magnitude key ``T`` by a 31-step bisection on the key bits
+  (``topk.magnitude_key``), takes the keys above ``T`` and the first
+  ``k - #{key > T}`` keys equal to it in index order, and writes their
+  indices and values at slots given by a prefix sum: ``y`` and the codes are
+  read once. A tail block (``d mod block_size`` elements) takes the XLA
+  path. ``block_size`` and ``bucket_size`` must be
   powers of two (Triton's block shapes), ``block_size >= 256`` a multiple
   of ``bucket_size``.
 * ``"interpret"``: the same kernel in Pallas' interpreter (CPU).
@@ -121,9 +121,9 @@ def _pallas_full_blocks(q, flat, *, full_blocks, k, block_size, bits, bucket_siz
       pl.BlockSpec((1, buckets), lambda b: (b, 0)),
     ],
     out_specs=(pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)),
-    # A block's tensors spread over up to 1024 threads, 16 elements each: at
-    # block 16384 ptxas gives 64 registers and spills 120 bytes a thread
-    # (16 warps: 128 registers, 164 bytes).
+    # A block's tensors spread over up to 1024 threads, 16 elements each:
+    # the block lives in registers, and fewer threads would each hold more
+    # of it and spill more.
     compiler_params=pltriton.CompilerParams(num_warps=max(1, min(32, block_size // 512))),
     interpret=interpret,
   )

@@ -331,8 +331,9 @@ def ternary_adam_update(
 
   where ``\\hat m`` is the decoded ``momentum`` with block scales ``s``, ``k``
   is ``count`` and ``round_xi`` unbiased stochastic rounding to ``{-1, 0, 1}``
-  with the random bits of ``counter_hash_bits(seed, index)``, those of
-  ``ternary_encode(..., key=key)`` for ``seed = ternary.seed_from_key(key)``.
+  with the random bits ``ternary.counter_hash_bits(seed, index)`` of the
+  element's index in the flattened tensor (``optax_memopt.ternary_adam``
+  draws each tensor's ``seed`` from its key at every step).
 
   The second moment comes in one of two ways. ``nu``: last step's, updated
   here with ``g**2`` and returned. ``nu_root``: the square root of this
