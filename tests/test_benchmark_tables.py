@@ -86,3 +86,14 @@ def test_the_sharding_table_is_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "sharding.json").read_text())
   assert sharding.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_ternary_adams_docstrings_quote_the_readmes_state_bytes():
+  """The state bytes per parameter in ternary Adam's docstrings are the README's (checked by the test above)."""
+  import importlib
+
+  module = importlib.import_module("optax_memopt.ternary_adam")  # The package's name is the alias.
+  header, rows = choosing_table()
+  figure = rows["ternary_adam"][header.index("state bytes/param (Llama-2-7B)")]
+  for doc in (module.__doc__, module.ternary_adam.__doc__):
+    assert re.findall(r"(\d+\.\d+) bytes (?:of\s+state\s+)?per\s+parameter", doc) == [figure]
