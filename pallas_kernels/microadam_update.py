@@ -297,8 +297,8 @@ def _block_directions(local, ring_values, weights, eps, first_block, buffers, *,
 # goes through a loop over chunks of its blocks, writing into its compacted
 # directions and bitmap in place, so that the sort's and the sums' arrays
 # (tens of bytes per entry) stay a bounded size rather than grow with the
-# tensor: at 2**21 entries (1278 blocks of 16384 at the defaults) about
-# 100 MB, where Llama-3-8B's embedding (52M entries) needed 2.5 GB.
+# tensor: a large embedding's would otherwise be the step's largest
+# temporaries.
 WINDOW_ENTRIES_AT_ONCE = 1 << 21
 
 

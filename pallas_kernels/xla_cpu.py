@@ -11,10 +11,10 @@ default backend. Each aid is kept because it buys a measured share of an optimiz
 ``optax_memopt.leaves.map_steps``). XLA:CPU schedules independent
 work stage by stage (every leaf's first fusion, then every leaf's second,
 ...), so every leaf's temporaries (a decoded moment, a top-k's input, a
-re-encoded block) are live at once. For a compressed optimizer that is tens
-to hundreds of MB at 10M-40M parameters, above glibc's 32 MiB threshold for
-fresh mappings, which XLA's per-call temporary buffer then faults in at
-every step: the step took 2-3x as long. :func:`tree_map` makes each leaf's
+re-encoded block) are live at once. For a compressed optimizer they add up
+to more than glibc's 32 MiB threshold for fresh mappings, so XLA's per-call
+temporary buffer is faulted in afresh at every step, page by page, which
+costs as much as the step's own work or more. :func:`tree_map` makes each leaf's
 step wait for the previous leaf's state, so the buffer holds one leaf's
 temporaries. On other backends it is ``jax.tree.map``: temporaries come
 from a pool there, and the wait would cost a small kernel per leaf.
