@@ -15,6 +15,48 @@ Every op of ``pallas_kernels`` takes ``implementation=``:
   rather than falling back;
 * ``"interpret"``: the kernel in its Pallas interpreter on the CPU, for
   tests.
+
+Why each implementation beside the reference is kept. The H100 compile's
+bytes of today's defaults are in ``benchmarks/data/h100_compile.json``; the
+commits named hold the before-and-after measurements; no kernel is timed on
+a GPU at today's code (``benchmarks/README.md``, "On an H200", is stale).
+
+* ``feedback_topk`` (MicroAdam's selection). XLA path: the default off
+  Hopper and for a tail block. Triton kernel, the default on Hopper: it
+  reads the gradient and the error codes once, where XLA's two-stage top-k
+  reads them twice and sorts; fewer bytes in MicroAdam's H100 compile
+  (commit 0781d17).
+* ``topk.block_topk``: an XLA path and no kernel; it is ``feedback_topk``'s
+  XLA path, the reference's selection in two exact stages on float32-bitcast
+  keys (XLA:CPU's partial-sort ``TopK``; MicroAdam's CPU step, commit
+  7c637d5). Its Mosaic GPU kernel, slower than XLA's ``TopK`` on an H200
+  and reached by no optimizer, is deleted.
+* ``quantize.requantize_unselected`` (MicroAdam's error feedback). XLA
+  path (``quantize`` of ``topk.zero_selected`` of ``dequantize_add``): the
+  default off Hopper. Mosaic GPU kernel, the default on Hopper: it writes no
+  float32 error and rewrites the codes in place; fewer bytes and
+  temporaries in MicroAdam's H100 compile (commits 94a48ae, 0781d17).
+* ``quantize.quantize``. XLA path: ``requantize_unselected``'s. Mosaic GPU
+  kernel: timed faster than XLA alone on an H200 (an earlier version), but
+  reached by no optimizer, since the library calls ``quantize`` only from
+  ``requantize_unselected``'s XLA path: to be deleted (issue 42).
+* ``quantize.dequantize`` and ``dequantize_add``. XLA path: the default
+  everywhere (XLA fuses the decoding into its readers, which moves fewer
+  bytes than the kernel writing it out: MicroAdam's H100 compile, commit
+  12570ed). Mosaic GPU kernel: the default nowhere and reached by no
+  optimizer: to be deleted (issue 42).
+* ``column_select`` (TACO's heavy hitters). XLA path: the default off
+  Hopper. Mosaic GPU kernel, the default on Hopper: timed faster than XLA
+  for TACO's one-segment step on an H200 (an earlier version); the
+  16-segment default is untimed.
+* ``map_codes`` (low-bit AdamW's codes) has no kernel and is not switched
+  here: ``lax.platform_dependent`` picks, per platform, one of two XLA
+  paths beside the reference's binary search. XLA:CPU reads tables: one
+  read per element instead of a search (8-bit AdamW's CPU step, commits
+  2375677, 1017bdd), and float8 by table because XLA:CPU converts float8 in
+  software (commit 1017bdd). Every other platform computes codes and
+  entries from each element alone, so that XLA:GPU writes the new codes in
+  place: fewer bytes in low-bit AdamW's H100 compile (commit 3559e85).
 """
 
 from __future__ import annotations
@@ -27,15 +69,18 @@ from jax import lax
 Implementation = Literal["xla", "pallas", "interpret"] | None
 IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 
-# Per op, whether its Pallas kernel beat XLA on a Hopper GPU (H200). One table,
-# so that a new measurement changes one line.
+# Per op, whether its Pallas kernel is the default for a Hopper-or-newer GPU
+# (why: the module docstring). One table, so that a new measurement changes
+# one line.
 FASTER_ON_HOPPER: dict[str, bool] = {
+  # Timed alone on an H200; reached by no optimizer.
   "quantize": True,
   # MicroAdam's error feedback re-encoded without writing it in float32.
   "requantize_unselected": True,
   # Decoding fused by XLA into its readers moves fewer bytes than the
   # kernel writing the decoded values out (MicroAdam's step, H100 compile).
   "dequantize": False,
+  # TACO's one-segment step, timed on an H200.
   "column_select": True,
   # MicroAdam's selection reading the gradient and the error codes once, where
   # XLA's exact two-stage top-k reads them twice and sorts (H100 compile;
