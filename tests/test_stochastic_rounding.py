@@ -27,11 +27,12 @@ DTYPES = [jnp.bfloat16, jnp.float16]
 def neighbours(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
   """The largest ``dtype`` number ``<= x`` and the smallest ``>= x`` (both ``x`` where it is one), as float64."""
   dtype = np.dtype(dtype)
-  nearest = x.astype(dtype)
-  above = nearest.astype(np.float32) > x
-  below = nearest.astype(np.float32) < x
-  lo = np.where(above, np.nextafter(nearest, np.array(-np.inf, dtype)), nearest)
-  hi = np.where(below, np.nextafter(nearest, np.array(np.inf, dtype)), nearest)
+  with np.errstate(over="ignore"):
+    nearest = x.astype(dtype)
+    above = nearest.astype(np.float32) > x
+    below = nearest.astype(np.float32) < x
+    lo = np.where(above, np.nextafter(nearest, np.array(-np.inf, dtype)), nearest)
+    hi = np.where(below, np.nextafter(nearest, np.array(np.inf, dtype)), nearest)
   return lo.astype(np.float64), hi.astype(np.float64)
 
 
