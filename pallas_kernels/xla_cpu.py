@@ -5,7 +5,7 @@ order in which :func:`reduce_row` adds, which XLA's reduction leaves
 open). Each aid is chosen when the program is lowered (``jax.lax.platform_dependent``): a
 program lowered for a GPU carries none of them, whatever the process's
 default backend. Each aid is kept because it buys a measured share of an optimizer's CPU step
-(``docs/performance-notes.md``).
+(why each: ``docs/performance-notes.md``; the measurements: this file's git history).
 
 :func:`tree_map`, one leaf after another (optimizers reach it through
 ``optax_memopt.leaves.map_steps``). XLA:CPU schedules independent
