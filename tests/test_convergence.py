@@ -215,7 +215,7 @@ def test_the_readmes_quality_column_quotes_the_results(committed):
   quoted = {}
   for line in table[2:]:
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    quoted[re.match(r"`(?:optax\.)?(\w+)`", cells[0]).group(1)] = cells[column]
+    quoted[re.match(r"`(?:optax\.(?:contrib\.)?)?(\w+)`", cells[0]).group(1)] = cells[column]
   assert quoted == {name: convergence.quality_cell(committed, name) for name in quoted}
   assert len(quoted) >= 8
 
