@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
-from optax_memopt import leaves
+from optax_memopt import gpu_targets, leaves
 from optax_memopt.sharding import split_spec, state_shardings
 from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.training import model, optimizers
@@ -49,6 +49,17 @@ MODELS: dict[str, model.TransformerConfig] = {
   ),
   "llama2_13b": model.TransformerConfig(
     vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, max_len=4096
+  ),
+  # Grattafiori et al., "The Llama 3 Herd of Models", arXiv 2407.21783: a 128K-token vocabulary.
+  "llama3_8b": model.TransformerConfig(
+    vocab_size=128256,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=14336,
+    max_len=8192,
+    rope_base=500_000.0,
   ),
   # The main job's model sizes (``python -m optax_memopt --model-size``).
   "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
@@ -360,12 +371,24 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   parser.add_argument(
     "--compile",
-    choices=["h100"],
+    choices=gpu_targets.NAMES,
     default=None,
     help="also compile each optimizer's step for this GPU (no GPU needed; needs the"
     " gpu-compile extra) and report XLA's peak per device beside the arithmetic"
     " (default: no compile)",
   )
+  step = parser.add_argument_group(
+    "the whole training step (with --compile): forward, backward and optimizer on one GPU of the built-in model"
+  )
+  step.add_argument("--batch", type=int, default=None, help="sequences per step (default: the optimizer step only)")
+  step.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+  step.add_argument(
+    "--remat", choices=list(model.REMAT_POLICIES), default="none", help="what each layer keeps for the backward pass"
+  )
+  step.add_argument(
+    "--margin", type=float, default=None, help="share of the memory kept free for what the compile cannot see (0.10)"
+  )
+  step.add_argument("--largest-batch", action="store_true", help="also find the largest batch that fits, from compiles")
   args = parser.parse_args(argv)
   if args.compile:
     # Before JAX starts its backends: the module sets the CUDA plugin's environment.
@@ -395,6 +418,20 @@ def main(argv: Sequence[str] | None = None) -> None:
   for name in args.optimizers or ():
     if name not in optimizers.OPTIMIZERS:
       parser.error(f"--optimizers: unknown optimizer {name!r}; choose from {', '.join(optimizers.OPTIMIZERS)}")
+  if args.batch is not None and not args.compile:
+    parser.error("--batch: compiles the training step for a GPU; give --compile h100, h200 or b200")
+  if args.largest_batch and args.batch is None:
+    parser.error("--largest-batch: give --batch, the second batch size compiled (the first is 1)")
+  if args.batch is not None and args.batch < 1:
+    parser.error(f"--batch: must be >= 1; got {args.batch}")
+  if args.largest_batch and args.batch < 2:
+    parser.error(f"--batch: must be >= 2 with --largest-batch; got {args.batch}")
+  if args.seq_len < 1 or args.seq_len > MODELS[args.model].max_len:
+    parser.error(f"--seq-len: must be in [1, {MODELS[args.model].max_len}] for {args.model}; got {args.seq_len}")
+  if args.margin is not None and not 0 <= args.margin < 1:
+    parser.error(f"--margin: must be in [0, 1); got {args.margin}")
+  if args.batch is not None and args.devices != 1:
+    parser.error("--batch: the training step is compiled for one device; --devices must be 1")
 
   config = MODELS[args.model]
   result = report(
@@ -407,7 +444,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     title=f"{args.model} ({param_dtype.name})",
   )
   print(result)
-  if args.compile:
+  if args.batch is not None:
+    print()
+    _print_training_step(args, param_dtype, memory)
+  elif args.compile:
     compiled = gpu_compile.peak_report(
       model_params(args.model, param_dtype),
       target=args.compile,
@@ -420,6 +460,64 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print()
     print(compiled)
+
+
+def _print_training_step(args: argparse.Namespace, param_dtype: Any, memory: Memory | None) -> None:
+  """The training-step table of ``fit --compile T --batch B``, and with ``--largest-batch`` the largest batch."""
+  from optax_memopt import gpu_compile, train_compile
+  from optax_memopt.training import loop
+
+  config = dataclasses.replace(MODELS[args.model], remat=args.remat)
+  graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]
+  params = model_params(args.model, param_dtype)
+  # Next-token prediction over seq_len positions reads seq_len + 1 tokens.
+  tokens = lambda batch: jax.ShapeDtypeStruct((batch, args.seq_len + 1), jnp.int32)
+  loss_fn = lambda p, batch: loop.next_token_loss(graphdef, p, batch)
+  options = dict(
+    target=args.compile,
+    memory=None if memory is None else memory.nbytes,
+    margin=train_compile.MARGIN if args.margin is None else args.margin,
+  )
+  optimizer_options = dict(
+    n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, stochastic_rounding=param_dtype != jnp.float32
+  )
+  title = f"{args.model} ({param_dtype.name}), batch {args.batch} x {args.seq_len} tokens, remat {args.remat}"
+  report = train_compile.train_step_report(
+    loss_fn,
+    params,
+    tokens(args.batch),
+    optimizer_names=args.optimizers,
+    title=title,
+    **options,
+    **optimizer_options,
+  )
+  print(report)
+  if not args.largest_batch:
+    return
+  print()
+  for name, program in report.programs.items():
+    if isinstance(program, str):
+      continue
+    tx = train_compile.registered_optimizer(name, **optimizer_options)
+    found = train_compile.largest_batch(
+      lambda batch: (
+        (
+          program
+          if batch == args.batch
+          else train_compile.compile_train_step(loss_fn, params, tokens(batch), tx, **options)
+        ).peak_bytes
+      ),
+      program.budget_bytes,
+      first=1,
+      second=args.batch,
+    )
+    size = gpu_compile.decimal_bytes
+    peaks = ", ".join(f"{batch}: {size(peak)}" for batch, peak in found.peaks.items())
+    print(
+      f"{name}: the largest batch that fits in {size(found.budget_bytes)} is {found.batch}"
+      + (f" ({found.batch + 1} does not)" if found.confirmed else "")
+      + f"; XLA's peaks compiled, by batch: {peaks}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
+from optax_memopt import gpu_targets  # noqa: E402
 from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
 
-TARGETS = ("h100",)
+# Descriptions in ``gpu_targets/``: Hopper H100 and H200 (sm_90a), Blackwell B200 (sm_100a).
+TARGETS = gpu_targets.NAMES
 
 INSTALL_HINT = (
   'pip install "optax-memopt[gpu-compile]" (JAX\'s CUDA plugin at the installed JAX version,'
@@ -81,7 +83,7 @@ def target_devices(target: str = "h100", devices: int = 1, hosts: int = 1) -> tu
     topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x{hosts}x{devices}")
   except (NotImplementedError, RuntimeError) as error:
     raise GpuCompilerMissing(
-      f"Compiling for an {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
+      f"Compiling for {target.upper()} needs JAX's CUDA plugin ({error}). Install it with {INSTALL_HINT},"
       " and run with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 if JAX started before this module set it."
     ) from error
   return tuple(topology.devices)
@@ -549,7 +551,7 @@ class PeakReport:
     return row.error is None and row.peak_bytes <= self.memory
 
   def __str__(self) -> str:
-    gb = _decimal_bytes
+    gb = decimal_bytes
     lines = [
       f"{self.title}: {self.n_params:,} parameters, the step compiled by XLA for {self.devices} x"
       f" {self.target.upper()}; per device, {gb(self.memory)} each",
@@ -627,7 +629,8 @@ def peak_report(
   return PeakReport(tuple(rows), n_params, target, devices, memory, title)
 
 
-def _decimal_bytes(nbytes: float) -> str:
+def decimal_bytes(nbytes: float) -> str:
+  """``nbytes`` in GB, MB or KB (powers of 1000), the largest unit that keeps the number at least 1."""
   for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
     if abs(nbytes) >= scale:
       return f"{nbytes / scale:.2f} {unit}"

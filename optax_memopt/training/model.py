@@ -16,6 +16,16 @@ from flax import nnx
 
 from optax_memopt.hyperparameters import check_int
 
+# What each decoder layer keeps for the backward pass (``remat``): everything
+# ("none"); only the outputs of matrix products without batch dimensions, the
+# rest recomputed ("dots"); only the layer's input, the whole layer recomputed
+# ("full").
+REMAT_POLICIES = {
+  "none": None,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -27,10 +37,13 @@ class TransformerConfig:
   ffn_dim: int = 128
   max_len: int = 128
   rope_base: float = 10_000.0
+  remat: str = "none"  # A key of REMAT_POLICIES.
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_len"):
       check_int(name, getattr(self, name), 1)
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}.")
     if self.dim % self.n_heads:
       raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}.")
     if self.n_heads % self.n_kv_heads:
@@ -117,7 +130,10 @@ class Transformer(nnx.Module):
       raise ValueError(f"sequence length {tokens.shape[-1]} exceeds max_len={self.config.max_len}.")
     x = self.embed(tokens)
     for layer in self.layers:
-      x = layer(x)
+      if self.config.remat == "none":
+        x = layer(x)
+      else:
+        x = nnx.remat(lambda block, h: block(h), policy=REMAT_POLICIES[self.config.remat])(layer, x)
     return self.lm_head(self.final_norm(x))
 
 

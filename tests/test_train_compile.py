@@ -1,0 +1,149 @@
+"""The whole training step compiled for a GPU without one: its peak, its parts, the largest batch.
+
+The parts are checked against sizes known without the compile (parameters,
+gradients, AdamW's state, the batch: 4 bytes per float32 element) and against
+XLA's own argument, output and alias figures; the compiles need JAX's CUDA
+plugin (the gpu-compile lane), the search for the largest batch does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from optax_memopt import fit, gpu_compile, train_compile
+from optax_memopt.training import loop, model
+from tests.test_gpu_compile import needs_plugin
+
+IN, HIDDEN, OUT = 64, 256, 8
+
+
+def mlp_loss(params, batch):
+  hidden = jax.nn.relu(batch["x"] @ params["w1"])
+  return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
+
+
+def mlp(batch_size):
+  params = {
+    "w1": jax.ShapeDtypeStruct((IN, HIDDEN), jnp.float32),
+    "w2": jax.ShapeDtypeStruct((HIDDEN, OUT), jnp.float32),
+  }
+  batch = {
+    "x": jax.ShapeDtypeStruct((batch_size, IN), jnp.float32),
+    "y": jax.ShapeDtypeStruct((batch_size, OUT), jnp.float32),
+  }
+  return params, batch
+
+
+@needs_plugin
+def test_the_peak_is_made_of_parameters_gradients_state_batch_and_activations():
+  n = IN * HIDDEN + HIDDEN * OUT
+  params, batch = mlp(512)
+  program = train_compile.compile_train_step(mlp_loss, params, batch, optax.adamw(1e-3))
+  assert program.n_params == n
+  assert program.param_bytes == program.gradient_bytes == 4 * n
+  assert program.state_bytes == 8 * n + 4  # AdamW's m and v in float32, and its step count.
+  assert program.batch_bytes == 4 * 512 * (IN + OUT)
+  # XLA's own figures: the step reads parameters, state and batch, writes parameters,
+  # state and the loss, and updates the donated parameters and state in place.
+  assert program.argument_bytes == program.param_bytes + program.state_bytes + program.batch_bytes
+  # The outputs (8 arrays) are returned as a tuple: XLA adds its table of 8-byte pointers.
+  assert program.output_bytes == program.param_bytes + program.state_bytes + 4 + 8 * 8
+  assert program.alias_bytes == program.param_bytes + program.state_bytes
+  # The backward pass needs the hidden layer, live beside the step's arguments.
+  hidden = 4 * 512 * HIDDEN
+  assert program.peak_bytes >= program.argument_bytes + hidden
+  assert program.activations_bytes == program.peak_bytes - (
+    program.param_bytes + program.gradient_bytes + program.state_bytes + program.batch_bytes
+  )
+  # Twice the batch: at least one more hidden layer of activations.
+  double = train_compile.compile_train_step(mlp_loss, params, mlp(1024)[1], optax.adamw(1e-3))
+  assert double.activations_bytes - program.activations_bytes >= hidden
+
+
+@needs_plugin
+def test_fits_keeps_the_margin_free():
+  params, batch = mlp(64)
+  program = train_compile.compile_train_step(mlp_loss, params, batch, optax.sgd(1e-3), memory=10**9)
+  exact = dataclasses.replace(program, memory=program.peak_bytes, margin=0.0)
+  assert exact.fits and not dataclasses.replace(exact, memory=program.peak_bytes - 1).fits
+  assert not dataclasses.replace(program, memory=math.ceil(program.peak_bytes / 0.95), margin=0.10).fits
+  assert program.memory == 10**9 and program.margin == train_compile.MARGIN
+  with pytest.raises(ValueError, match="margin"):
+    train_compile.compile_train_step(mlp_loss, params, batch, optax.sgd(1e-3), margin=1.0)
+
+
+def _tiny_llama(remat="none"):
+  config = dataclasses.replace(fit.MODELS["tiny"], remat=remat)
+  graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]
+  return (lambda p, b: loop.next_token_loss(graphdef, p, b)), fit.model_params("tiny")
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", gpu_compile.TARGETS)
+def test_a_small_models_train_step_compiles_for_every_target(target):
+  loss_fn, params = _tiny_llama()
+  tokens = jax.ShapeDtypeStruct((4, 65), jnp.int32)
+  # TACO's step holds a Mosaic GPU kernel: compiled through ptxas for the target's architecture.
+  report = train_compile.train_step_report(loss_fn, params, tokens, target=target, optimizer_names=["adamw", "taco"])
+  for program in report.programs.values():
+    assert program.target == target and program.memory == gpu_compile.device_memory_bytes(target)
+    assert program.activations_bytes > 0 and program.fits
+  assert report.programs["taco"].state_bytes < report.programs["adamw"].state_bytes
+  assert f"one {target.upper()}" in str(report) and "| taco |" in str(report)
+
+
+@needs_plugin
+def test_rematerializing_every_layer_keeps_fewer_activations():
+  tokens = jax.ShapeDtypeStruct((8, 129), jnp.int32)
+  kept = {}
+  for remat in ("none", "full"):
+    loss_fn, params = _tiny_llama(remat)
+    kept[remat] = train_compile.compile_train_step(loss_fn, params, tokens, optax.sgd(1e-3)).activations_bytes
+  assert kept["full"] < kept["none"]
+
+
+def test_largest_batch_follows_the_line_and_confirms_with_the_next_size():
+  calls = []
+
+  def peak(batch):
+    calls.append(batch)
+    return 100 + 7 * batch
+
+  found = train_compile.largest_batch(peak, 150, first=1, second=2)
+  assert found.batch == 7 and found.confirmed  # 149 fits, 156 does not.
+  assert set(found.peaks) == set(calls) and len(calls) == 4
+
+  # A step in the line (XLA schedules differently past some size): compiles find it.
+  found = train_compile.largest_batch(lambda b: 100 + 7 * b + (20 if b > 5 else 0), 150, first=1, second=2)
+  assert found.batch == 5 and found.confirmed
+  # Nothing fits.
+  assert train_compile.largest_batch(lambda b: 200 + b, 150).batch == 0
+
+
+@needs_plugin
+def test_the_planners_training_step_and_largest_batch(capsys):
+  fit.main(
+    ["--model", "tiny", "--compile", "h100", "--batch", "2", "--seq-len", "32", "--optimizers", "adamw"]
+    + ["--memory", "3MB", "--margin", "0", "--largest-batch"]
+  )
+  out = capsys.readouterr().out
+  assert "the training step compiled by XLA for one H100" in out and "| adamw |" in out
+  line = next(line for line in out.splitlines() if "the largest batch that fits" in line)
+  batch = int(re.search(r"fits in [\d.]+ \w+ is (\d+)", line).group(1))
+  peaks = {int(b): float(p) for b, p in re.findall(r"(\d+): ([\d.]+) MB", line)}
+  assert batch in peaks and batch + 1 in peaks
+  assert peaks[batch] <= 3.0 < peaks[batch + 1]
+
+
+def test_the_planner_refuses_a_training_step_without_a_target(capsys):
+  with pytest.raises(SystemExit):
+    fit.main(["--model", "tiny", "--batch", "2"])
+  assert "--batch" in capsys.readouterr().err
