@@ -145,6 +145,14 @@ def dense_layer_state_bytes(name: str, param_bytes: int, devices: int) -> int:
     # One byte holds both 4-bit codes.
     "adamw_4bit": split(kernel + 2 * 4 * kernel // 128) + lowbit_bias + count,
     "adamw_fp8": split(2 * kernel + 2 * 4 * kernel // 256) + lowbit_bias + count,
+    # optax's GaLore, rank 128: the kernel's left projector (512 x 128, cut as
+    # the kernel), Adam's m and v in the projection (128 x 256: shaped like no
+    # parameter, every device holds them), the bias's m and v, all in the
+    # parameters' dtype. Two step counts.
+    "galore": split(param_bytes * r * 128)
+    + whole(2 * param_bytes * 128 * c)
+    + split(2 * param_bytes * bias)
+    + 2 * count,
   }
   return formulas[name]
 
