@@ -9,6 +9,7 @@ from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.stochastic_rounding import StochasticRoundingState, stochastic_rounding, with_stochastic_rounding
 from optax_memopt.taco import MatrixAxes, ScaleByTacoState, scale_by_taco, taco, taco_labels
 from optax_memopt.ternary_adam import FactoredSecondMoment, ScaleByTernaryAdamState, scale_by_ternary_adam, ternary_adam
+from optax_memopt.vocabulary import vocabulary_in_float32
 
 __version__ = "0.1.0"
 
@@ -39,5 +40,6 @@ __all__ = [
   "taco",
   "taco_labels",
   "ternary_adam",
+  "vocabulary_in_float32",
   "with_stochastic_rounding",
 ]

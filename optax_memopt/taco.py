@@ -325,6 +325,10 @@ def scale_by_taco(
     raise ValueError(f"segments must divide k={k}; got {segments}.")
   hyperparameters.check_decay_rate("beta", beta)
   dispatch.check(implementation)
+  if not (isinstance(matrix_axes, MatrixAxes) or callable(matrix_axes)):
+    raise ValueError(
+      f"matrix_axes must be a MatrixAxes or a function (path, parameter) -> MatrixAxes; got {matrix_axes!r}."
+    )
 
   def layout(path, leaf):
     batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, leaf), path, leaf)
@@ -445,7 +449,7 @@ def taco_labels(
     >>> optax_memopt.taco_labels(params)
     {'dense': {'bias': 'fallback', 'kernel': 'taco'}, 'embed': {'embedding': 'fallback'}}
   """
-  names = tuple(name.lower() for name in embedding_names)
+  names = tuple(name.lower() for name in hyperparameters.check_names("embedding_names", embedding_names))
 
   def label(path, param):
     location = jax.tree_util.keystr(path).lower()
@@ -460,7 +464,7 @@ def taco_labels(
 
 def _checked_labels(labels: Any) -> Any:
   for path, label in jax.tree_util.tree_leaves_with_path(labels):
-    if label not in (TACO_LABEL, FALLBACK_LABEL):
+    if not (isinstance(label, str) and label in (TACO_LABEL, FALLBACK_LABEL)):
       raise ValueError(
         f"labels must be {TACO_LABEL!r} or {FALLBACK_LABEL!r} for every"
         f" parameter; got {label!r} for {jax.tree_util.keystr(path)}."
@@ -481,20 +485,36 @@ def taco(
   matrix_axes: MatrixAxesSpec = MatrixAxes(),
   embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
   implementation: dispatch.Implementation = None,
+  fallback_learning_rate: optax.ScalarOrSchedule | None = None,
 ) -> optax.GradientTransformation:
-  r"""TACO on matrices, a fallback elsewhere, weight decay and learning rate.
+  r"""TACO on matrices, a fallback elsewhere, weight decay and learning rates.
 
   .. math::
 
     p_t = p_{t-1} - \eta_t \left(d_t + \lambda \, p_{t-1}\right)
 
   where :math:`d_t` is :func:`scale_by_taco`'s direction on parameters
-  labelled ``"taco"`` and ``fallback``'s on those labelled ``"fallback"``:
-  ``optax.chain(optax.partition({"taco": scale_by_taco(...), "fallback":
-  fallback}, labels), optax.add_decayed_weights(weight_decay, mask),
-  optax.scale_by_learning_rate(learning_rate))``. Both groups get the same
-  weight decay and learning rate (schedule); the default fallback is Adam's
-  direction, so the fallback group trains as ``optax.adamw`` would.
+  labelled ``"taco"`` and ``fallback``'s on those labelled ``"fallback"``,
+  and :math:`\eta_t` is ``learning_rate`` on the first group and
+  ``fallback_learning_rate`` on the second: ``optax.chain(optax.partition(
+  {"taco": scale_by_taco(...), "fallback": fallback}, labels),
+  optax.add_decayed_weights(weight_decay, mask), optax.partition({"taco":
+  optax.scale_by_learning_rate(learning_rate), "fallback":
+  optax.scale_by_learning_rate(fallback_learning_rate)}, labels))``. With
+  the default fallback (Adam's direction) the fallback group trains exactly
+  as ``optax.adamw(fallback_learning_rate, weight_decay=weight_decay)``.
+
+  TACO's step is a signed, dimension-normalized one, and its best rate is
+  several times Adam's; by default (``fallback_learning_rate=None``) the
+  fallback group trains at TACO's rate too (one
+  ``optax.scale_by_learning_rate(learning_rate)`` after both groups, the
+  state of earlier versions), so embeddings, norms and biases take Adam's
+  direction at that larger rate. Pass Adam's rate, as for
+  ``optax.contrib.muon``'s ``adam_learning_rate``, to train them as AdamW
+  would (``benchmarks/README.md``, convergence, measures both). No other
+  alias of this library has groups that want different rates: MicroAdam,
+  Adam-mini, ternary Adam and the low-bit AdamWs apply one Adam-like step to
+  every parameter.
 
   Args:
     learning_rate: a scalar or schedule. TACO moves one entry per input
@@ -520,6 +540,8 @@ def taco(
     embedding_names: path substrings of embeddings sent to the fallback by
       the default labels.
     implementation: selection backend, see :func:`scale_by_taco`.
+    fallback_learning_rate: a scalar or schedule for the ``"fallback"``
+      group, or ``None`` (default) for ``learning_rate``.
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -555,6 +577,7 @@ def taco(
     fallback = optax.scale_by_adam()
   elif not isinstance(fallback, optax.GradientTransformation):
     raise ValueError(f"fallback must be an optax.GradientTransformation; got {type(fallback).__name__}.")
+  hyperparameters.check_names("embedding_names", embedding_names)
   if labels is None:
     labels = functools.partial(taco_labels, matrix_axes=matrix_axes, embedding_names=embedding_names)
   if callable(labels):
@@ -567,6 +590,19 @@ def taco(
     _checked_labels(labels)
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
+  hyperparameters.check_mask("mask", mask)
+  if fallback_learning_rate is None:
+    scale = optax.scale_by_learning_rate(learning_rate)
+  else:
+    if not callable(fallback_learning_rate):
+      hyperparameters.check_non_negative("fallback_learning_rate", fallback_learning_rate)
+    scale = optax.partition(
+      {
+        TACO_LABEL: optax.scale_by_learning_rate(learning_rate),
+        FALLBACK_LABEL: optax.scale_by_learning_rate(fallback_learning_rate),
+      },
+      labels,
+    )
   return optax.chain(
     optax.partition(
       {
@@ -582,5 +618,5 @@ def taco(
       labels,
     ),
     optax.add_decayed_weights(weight_decay, mask),
-    optax.scale_by_learning_rate(learning_rate),
+    scale,
   )

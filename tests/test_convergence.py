@@ -233,7 +233,6 @@ def test_8bit_adamw_forgets_the_second_moment_of_gradients_tiny_beside_their_blo
   import optax
 
   import optax_memopt
-  from optax_memopt.training import optimizers
 
   # 4096 elements: the smallest tensor 8-bit AdamW quantizes.
   params = {"lm_head": {"kernel": jnp.zeros((16, 256))}, "layer": {"kernel": jnp.zeros((16, 256))}}
@@ -250,12 +249,10 @@ def test_8bit_adamw_forgets_the_second_moment_of_gradients_tiny_beside_their_blo
   remedy = second_step(
     optax.partition(
       {"quantized": optax_memopt.adamw_8bit(1.0), "float32": optax.adam(1.0)},
-      lambda p: optimizers.vocabulary_in_float32(p, names=("lm_head",)),
+      lambda p: optax_memopt.vocabulary_in_float32(p, names=("lm_head",)),
     )
   )
   assert adam["layer"] < 1.0
   assert eight_bit["layer"] > 100 * adam["layer"]
   assert remedy["lm_head"] == pytest.approx(adam["lm_head"], rel=1e-4) and remedy["layer"] == eight_bit["layer"]
-  assert optimizers.vocabulary_in_float32(
-    {"embed": {"embedding": 0}, "lm_head": {"kernel": 0}, "layers": {0: {"kernel": 0}}}
-  ) == {"embed": {"embedding": "float32"}, "lm_head": {"kernel": "float32"}, "layers": {0: {"kernel": "quantized"}}}
+

@@ -359,10 +359,58 @@ def test_fallback_trains_like_adamw_and_labels_can_be_overridden(seed):
     assert np.all(moved.sum(axis=1) == 1), f"seed={seed}"
 
 
+def leaf_pairs(labels, *trees):
+  """(path, label, leaf of each tree) for every labelled parameter."""
+  flat = [jax.tree_util.tree_leaves_with_path(tree) for tree in trees]
+  return [
+    (jax.tree_util.keystr(path), label, *(leaves[i][1] for leaves in flat))
+    for i, (path, label) in enumerate(jax.tree_util.tree_leaves_with_path(labels))
+  ]
+
+
+@pytest.mark.parametrize(
+  "fallback_learning_rate", [1e-3, optax.linear_schedule(2e-3, 5e-4, 3)], ids=["scalar", "schedule"]
+)
+def test_the_fallback_group_trains_like_adamw_at_its_own_rate(fallback_learning_rate, seed):
+  params = make_tree()
+  lr, weight_decay = 1e-2, 0.1
+  adamw = run_steps(optax.adamw(fallback_learning_rate, weight_decay=weight_decay), params, seed=seed)
+  taco_rate_everywhere = run_steps(optax_memopt.taco(lr, weight_decay=weight_decay), params, seed=seed)
+  taco = run_steps(
+    optax_memopt.taco(lr, weight_decay=weight_decay, fallback_learning_rate=fallback_learning_rate), params, seed=seed
+  )
+  labels = optax_memopt.taco_labels(params)
+  assert {label for _, label, *_ in leaf_pairs(labels)} == {"taco", "fallback"}
+  for step, (got, want_fallback, want_taco) in enumerate(zip(taco, adamw, taco_rate_everywhere)):
+    for path, label, g, f, t in leaf_pairs(labels, got, want_fallback, want_taco):
+      want = f if label == "fallback" else t
+      np.testing.assert_allclose(g, want, rtol=1e-6, err_msg=f"{path} ({label}), step {step}, seed={seed}")
+
+
+def test_the_fallback_rate_is_a_hyperparameter_under_inject_hyperparams(seed):
+  params = make_tree()
+  grads = jax.tree.map(lambda p: jnp.asarray(np.random.default_rng(seed).standard_normal(p.shape), p.dtype), params)
+  tx = optax.inject_hyperparams(optax_memopt.taco, static_args=("k",))(learning_rate=1e-2, fallback_learning_rate=1e-3)
+  state = tx.init(params)
+  state.hyperparams["fallback_learning_rate"] = jnp.asarray(2e-3)
+  updates, _ = jax.jit(tx.update)(grads, state, params)
+  adamw = optax.adamw(2e-3, weight_decay=0.0)
+  want, _ = adamw.update(grads, adamw.init(params), params)
+  fallback = [
+    (path, u, w)
+    for path, label, u, w in leaf_pairs(optax_memopt.taco_labels(params), updates, want)
+    if label == "fallback"
+  ]
+  assert fallback
+  for path, u, w in fallback:
+    np.testing.assert_allclose(u, w, rtol=1e-6, err_msg=f"{path}, seed={seed}")
+
+
 @pytest.mark.parametrize(
   "build, match",
   [
     (lambda: optax_memopt.scale_by_taco(k=-1), "k must be an int >= 0"),
+    (lambda: optax_memopt.taco(1e-2, fallback_learning_rate=-1e-3), "fallback_learning_rate must be"),
     (lambda: optax_memopt.taco(1e-2, k=1.5), "k must be an int >= 0"),
     (lambda: optax_memopt.taco(1e-2, k=True), "k must be an int >= 0"),
     (lambda: optax_memopt.scale_by_taco(segments=0), "segments must be an int >= 1"),

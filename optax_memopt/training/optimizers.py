@@ -11,12 +11,13 @@ scale (TACO's is a signed, dimension-normalized step, not Adam's).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
-import jax
 import optax
 
 import optax_memopt
+from optax_memopt import vocabulary
 
 WEIGHT_DECAY = 0.01
 
@@ -112,30 +113,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 }
 
 
-VOCABULARY_NAMES = ("embed", "lm_head")
-
-
-def vocabulary_in_float32(params: optax.Params, names=VOCABULARY_NAMES) -> Any:
-  """Labels ``"float32"`` for the parameters whose path names one of ``names``, ``"quantized"`` for the rest.
-
-  For ``optax.partition``: 8-bit and fp8 AdamW on the ``"quantized"`` group,
-  ``optax.adamw`` on the ``"float32"`` one. An output-head row scores every
-  token, and the tokens a fine-tuning corpus never shows get gradients
-  thousands of times smaller than the row's largest. Squared, their second
-  moment is under the codes' smallest non-zero value relative to the block's
-  absmax (3.25e-7 for the 8-bit map: gradients under 1/1750 of the largest)
-  and is stored as 0 while the first moment is kept: when the next
-  gradient there is smaller, the step is the remembered ``m`` over that
-  gradient alone, hundreds of times AdamW's. bitsandbytes keeps embeddings in
-  32-bit state for the same reason.
-  """
-  return jax.tree_util.tree_map_with_path(
-    lambda path, _: "float32" if any(n in jax.tree_util.keystr(path) for n in names) else "quantized", params
-  )
+def __getattr__(name: str) -> Any:
+  # The remedy moved to the library (optax_memopt.vocabulary); the old names still import, with a warning.
+  if name in ("vocabulary_in_float32", "VOCABULARY_NAMES"):
+    warnings.warn(
+      f"optax_memopt.training.optimizers.{name} is deprecated; use optax_memopt.vocabulary.{name}"
+      " (vocabulary_in_float32 is also optax_memopt.vocabulary_in_float32).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return getattr(vocabulary, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _vocabulary_in_float32(
-  alias: Callable[..., optax.GradientTransformation], names: tuple[str, ...] = VOCABULARY_NAMES
+  alias: Callable[..., optax.GradientTransformation], names: tuple[str, ...] = vocabulary.VOCABULARY_NAMES
 ) -> Callable[..., Any]:
   """``build`` for a low-bit AdamW whose parameters named in ``names`` keep ``optax.adamw``'s float32 state."""
   return lambda lr, config: optax.partition(
@@ -143,7 +135,7 @@ def _vocabulary_in_float32(
       "quantized": alias(lr, weight_decay=WEIGHT_DECAY),
       "float32": optax.adamw(lr, weight_decay=WEIGHT_DECAY),
     },
-    lambda params: vocabulary_in_float32(params, names),
+    lambda params: vocabulary.vocabulary_in_float32(params, names),
   )
 
 
@@ -170,6 +162,15 @@ VARIANTS: dict[str, OptimizerSpec] = {
     _vocabulary_in_float32(optax_memopt.adamw_fp8),
     3e-3,
     "fp8 AdamW with the embedding and output head in float32 AdamW state (vocabulary_in_float32)",
+  ),
+  # benchmarks/convergence.py passes the fallback's rate: AdamW's best, not TACO's.
+  "taco_fallback_adamw_rate": OptimizerSpec(
+    lambda lr, config, implementation=None, fallback_learning_rate=None: optax_memopt.taco(
+      lr, weight_decay=WEIGHT_DECAY, implementation=implementation, fallback_learning_rate=fallback_learning_rate
+    ),
+    1e-2,
+    "TACO with its fallback group (Adam on embeddings, norms, vectors) at its own rate (fallback_learning_rate)",
+    has_kernels=True,
   ),
   "microadam_5pct": OptimizerSpec(
     _with_kernels(optax_memopt.microadam, density=0.05),
