@@ -18,6 +18,13 @@ with ``m_hat``, ``v_hat`` the decoded stored moments and torch's
 ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``). The direction uses this step's
 unrounded ``m'``, ``v'``; only the stored moments are rounded.
 
+Non-finite moments (a NaN or Inf in ``g``) are stored as zero
+(:func:`_stored`): that step's direction is non-finite at the element, later
+steps restart it from zero moments, and the block's other elements are not
+touched. The reference stores them, so that the block's absmax scale is NaN
+and the whole block's direction NaN for good; on finite moments the two are
+equal bit for bit.
+
 State formats (:data:`STATE_FORMATS`):
 
 =========  =========================  ==========================  =====
@@ -252,6 +259,19 @@ def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> 
   return mu_codes, nu_codes
 
 
+def _stored(moment: jax.Array) -> jax.Array:
+  """``moment`` as it is stored: a non-finite entry as zero.
+
+  A block's scale is the absmax of its entries: a NaN or Inf would make it
+  non-finite, and every code of the block would decode to NaN from then on.
+  Stored as zero, the faulty element restarts from zero moments (this step's
+  direction, computed from the unstored moments, still shows the fault), and
+  its neighbours keep their scale. Finite moments are stored as the
+  reference stores them.
+  """
+  return jnp.where(jnp.isfinite(moment), moment, 0.0)
+
+
 def _describe(array: Any) -> str:
   return "None" if array is None else f"{array.dtype}{list(array.shape)}"
 
@@ -348,12 +368,12 @@ def lowbit_adamw_update(
   # codes and the direction in a second, elementwise, that XLA:GPU fuses with
   # the parameters' update and that writes the codes in place.
   scales = [
-    map_codes.map_scales(to_blocks(x, blocks, block_size), code=code)
+    map_codes.map_scales(to_blocks(_stored(x), blocks, block_size), code=code)
     for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
   ]
   mu, nu = new_moments(_codes_zero(count), in_place=True)
   codes = [
-    map_codes.map_encode(x, per_element(s), code=code)
+    map_codes.map_encode(_stored(x), per_element(s), code=code)
     for x, s, code in ((mu, scales[0], state.mu_code), (nu, scales[1], state.nu_code))
   ]
   direction = adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
