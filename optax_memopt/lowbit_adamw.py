@@ -35,6 +35,7 @@ reference's NaN scale would turn the whole block NaN for good).
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -203,7 +204,7 @@ def scale_by_lowbit_adam(
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 
 
-def _alias(state_format: str, *, what: str, state_bytes: str, reference: str):
+def _alias(state_format: str, *, what: str, state_bytes: str, vocabulary: str, reference: str):
   """The alias of ``state_format`` (``adamw_8bit``, ...), documented by ``_ALIAS_DOC``."""
   name = _ALIASES[state_format]
   default_block_size = lowbit_adamw_update.STATE_FORMATS[state_format].block_size
@@ -236,7 +237,16 @@ def _alias(state_format: str, *, what: str, state_bytes: str, reference: str):
 
   alias.__name__ = alias.__qualname__ = name
   alias.__doc__ = _ALIAS_DOC.format(
-    what=what, fmt=state_format, bytes=state_bytes, block=default_block_size, name=name, reference=reference
+    what=what,
+    fmt=state_format,
+    bytes=state_bytes,
+    # One paragraph of the docstring, wrapped as the rest of it.
+    vocabulary=textwrap.fill(
+      "Fine-tuning on text that shows few of the vocabulary's tokens: " + vocabulary, 76, subsequent_indent="  "
+    ),
+    block=default_block_size,
+    name=name,
+    reference=reference,
   )
   return alias
 
@@ -247,6 +257,8 @@ _ALIAS_DOC = """AdamW with {what}: ``scale_by_lowbit_adam(state_format={fmt!r})`
   add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``:
   the update is ``-lr * (u + weight_decay * p)``. {bytes} bytes of state per
   parameter (float32 AdamW: 8). The algorithm is in ``scale_by_lowbit_adam``.
+
+  {vocabulary}
 
   Args:
     learning_rate: a float or an ``optax`` schedule.
@@ -282,17 +294,29 @@ adamw_8bit = _alias(
   "8bit",
   what="8-bit moments (bitsandbytes' dynamic maps, blocks of 256)",
   state_bytes="2.03",
+  vocabulary="give the embedding and the output head float32 AdamW state with ``optax.partition`` and"
+  " :func:`optax_memopt.vocabulary_in_float32`. The head's entries for absent tokens get gradients under 1/1750"
+  " of their block's largest, whose squares the 8-bit map stores as 0 while the first moment is kept: steps"
+  " hundreds of times AdamW's there. Pre-training, or data that shows the whole vocabulary, does not need it.",
   reference='Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022 (https://arxiv.org/abs/2110.02861).',
 )
 adamw_4bit = _alias(
   "4bit",
   what="4-bit moments (dynamic map for m, linear map without zero for v, blocks of 128)",
   state_bytes="1.06",
+  vocabulary="the second moment's map has no zero, so a tiny second moment is stored as the smallest code, not as"
+  " 0, and the step there is smaller than AdamW's, not larger: :func:`optax_memopt.vocabulary_in_float32`,"
+  " which 8-bit and fp8 AdamW need there, is not needed.",
   reference='Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023 (https://arxiv.org/abs/2309.01507).',
 )
 adamw_fp8 = _alias(
   "fp8",
   what="float8 e4m3fn moments (scale absmax / 448, blocks of 256)",
   state_bytes="2.03",
+  vocabulary="give the embedding and the output head float32 AdamW state with ``optax.partition`` and"
+  " :func:`optax_memopt.vocabulary_in_float32`. e4m3 stores values under 2**-9 / 448 = 4.4e-6 of the block's"
+  " absmax as 0: the squared gradients of tokens the text never shows, while their first moment is kept, which"
+  " makes steps hundreds of times AdamW's there. Pre-training, or data that shows the whole vocabulary, does not"
+  " need it.",
   reference="torchao's ``AdamWFp8`` (https://github.com/pytorch/ao, torchao/optim).",
 )
