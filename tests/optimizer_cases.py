@@ -21,6 +21,8 @@ class OptimizerCase:
   kwargs: dict[str, Any]
   # Hyper-parameters that fix shapes: static under inject_hyperparams.
   static_args: tuple[str, ...] = ()
+  # The parameters' dtype where a harness makes its own (tests.sharding_check).
+  param_dtype: str = "float32"
 
 
 CASES: dict[str, OptimizerCase] = {
@@ -85,6 +87,10 @@ CASES: dict[str, OptimizerCase] = {
 }
 
 
+def _sgd_with_stochastic_rounding(**kwargs) -> optax.GradientTransformation:
+  return optax_memopt.with_stochastic_rounding(optax.sgd(**kwargs), seed=7)
+
+
 def _ternary_adam_every_two_steps(**kwargs) -> optax.GradientTransformation:
   return optax.MultiSteps(optax_memopt.ternary_adam(**kwargs), every_k_schedule=2).gradient_transformation()
 
@@ -123,6 +129,14 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
     _ternary_adam_every_two_steps,
     dict(learning_rate=1e-2, block_size=32, min_quantized_size=32),
     static_args=("block_size", "min_quantized_size", "key"),
+  ),
+  # bfloat16 parameters, rounded stochastically: the rounding's key is
+  # replicated and each device draws its elements' bits in place. After
+  # SGD with momentum, whose elementwise update is the same bits on any
+  # mesh (an optimizer whose float32 update moves by an ulp on another
+  # mesh moves the rare entry whose random bits sit at its remainder).
+  "sgd_stochastic_rounding_bf16": OptimizerCase(
+    _sgd_with_stochastic_rounding, dict(learning_rate=1e-2, momentum=0.9), param_dtype="bfloat16"
   ),
   # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
   # which do not split over 8 devices.

@@ -69,8 +69,8 @@ STEPS = 4
 RESTORE_AFTER = 2
 
 
-def make_params(seed: int = 0) -> dict:
-  """A small Transformer-shaped tree whose matrices dominate the state."""
+def make_params(seed: int = 0, dtype: str = "float32") -> dict:
+  """A small Transformer-shaped tree of ``dtype`` whose matrices dominate the state."""
   shapes = {
     "embed": {"embedding": (512, 256)},
     "attention": {"query": {"kernel": (256, 512)}, "out": {"kernel": (512, 96)}},
@@ -83,7 +83,7 @@ def make_params(seed: int = 0) -> dict:
   }
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
   rng = np.random.default_rng(seed)
-  return jax.tree.unflatten(treedef, [rng.normal(0.0, 0.1, shape).astype(np.float32) for shape in leaves])
+  return jax.tree.unflatten(treedef, [rng.normal(0.0, 0.1, shape).astype(np.float32).astype(dtype) for shape in leaves])
 
 
 def make_gradients(params: dict, steps: int, seed: int = 1) -> list[dict]:
@@ -201,7 +201,7 @@ def explicit_axes_run(optimizer, host_params, gradients, *, set_mesh: bool):
 def check(name: str, workdir: str) -> dict:
   case = SHARDING_CASES[name]
   optimizer = case.factory(**case.kwargs)
-  host_params = make_params()
+  host_params = make_params(dtype=jnp.dtype(case.param_dtype))
   gradients = make_gradients(host_params, STEPS)
 
   single_device = jax.devices()[0]

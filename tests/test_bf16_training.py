@@ -19,7 +19,10 @@ bound is twice the largest difference seen, 0.17: a seed that lands beyond
 it is far outside every optimizer's spread. The float32 runs fall by 6 to 22
 in those 20 steps, so the bound is under 3% of the smallest descent: a
 bfloat16 run that stalls (updates below the parameters' spacing lost),
-drifts, or turns non-finite fails.
+drifts, or turns non-finite fails. A third run, each optimizer followed by
+``optax_memopt.stochastic_rounding``, keeps bfloat16 parameters too and is
+held to the same bound (its roundings are unbiased, so it lands nearer the
+float32 run than plain rounding does).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import optax
 import pytest
 
+from optax_memopt import with_stochastic_rounding
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import build, make_params, make_target, quadratic_loss
 
@@ -70,14 +74,18 @@ def test_bfloat16_parameters_descend_like_float32(name, seed):
   float32_start = jax.tree.map(lambda p: p.astype(jnp.float32), start)
   _, float32_distances = descend(build(name, learning_rate=LEARNING_RATE), float32_start, target)
   bfloat16_params, bfloat16_distances = descend(build(name, learning_rate=LEARNING_RATE), start, target)
+  rounded_params, rounded_distances = descend(
+    with_stochastic_rounding(build(name, learning_rate=LEARNING_RATE), seed), start, target
+  )
   context = (
     f"{name}, seed {seed}: distance to the target from {float32_distances[0]:.4f} to"
-    f" {float32_distances[-1]:.4f} in float32, {bfloat16_distances[-1]:.4f} in bfloat16;"
-    f" bound {BOUND:.3f}"
+    f" {float32_distances[-1]:.4f} in float32, {bfloat16_distances[-1]:.4f} in bfloat16,"
+    f" {rounded_distances[-1]:.4f} with stochastic rounding; bound {BOUND:.3f}"
   )
 
-  assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(bfloat16_params)), context
-  assert np.all(np.isfinite(bfloat16_distances)), context
-  # The claim below says something only if float32 falls well beyond the bound.
+  for params, distances in ((bfloat16_params, bfloat16_distances), (rounded_params, rounded_distances)):
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params)), context
+    assert np.all(np.isfinite(distances)), context
+    assert abs(distances[-1] - float32_distances[-1]) <= BOUND, context
+  # The claim says something only if float32 falls well beyond the bound.
   assert float32_distances[0] - float32_distances[-1] > 20 * BOUND, context
-  assert abs(bfloat16_distances[-1] - float32_distances[-1]) <= BOUND, context
