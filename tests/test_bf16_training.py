@@ -21,8 +21,7 @@ in those 20 steps, so the bound is under 3% of the smallest descent: a
 bfloat16 run that stalls (updates below the parameters' spacing lost),
 drifts, or turns non-finite fails. A third run, each optimizer followed by
 ``optax_memopt.stochastic_rounding``, keeps bfloat16 parameters too and is
-held to the same bound (its roundings are unbiased, so it lands nearer the
-float32 run than plain rounding does).
+held to the same bound.
 """
 
 from __future__ import annotations
