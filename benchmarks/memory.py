@@ -11,7 +11,8 @@ With ``--step-peak FILE`` it compiles each optimizer's donated step (update,
 then ``optax.apply_updates``; parameters and state donated, gradients not)
 for this machine's CPU and records XLA's memory analysis: the peak
 (arguments + outputs - aliased + temporaries) and what it holds beyond
-parameters, gradients and state. ``--render FILE`` prints that file's table,
+parameters, gradients and state, over the rows of the measured optimizers
+in an existing file. ``--render FILE`` prints that file's table,
 as ``benchmarks/README.md`` quotes it.
 
     python -m benchmarks.memory --step-peak benchmarks/data/cpu_step_memory.json --models 10M 40M \\
@@ -171,8 +172,10 @@ def main(argv=None) -> None:
   if args.step_peak:
     names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
     results = {"jax": jax.__version__, "backend": jax.default_backend(), "models": {}}
+    if args.step_peak.exists():  # Its other optimizers' rows stay.
+      results["models"] = json.loads(args.step_peak.read_text())["models"]
     for model in args.models:
-      results["models"][model] = {name: step_peak(name, model) for name in names}
+      results["models"].setdefault(model, {}).update({name: step_peak(name, model) for name in names})
     args.step_peak.parent.mkdir(parents=True, exist_ok=True)
     args.step_peak.write_text(json.dumps(results, indent=1) + "\n")
     print(render_step_peak(results))
