@@ -366,7 +366,49 @@ def render(results: dict, optimizer_names=NAMES) -> str:
       if rows:
         parts.append(markdown_table(rows))
         parts.append(f"![{task}, {size}](figures/{figure_path(size, task).name})")
+  gaps = gap_table(results)
+  if gaps:
+    parts.append(gaps)
   return "\n\n".join(parts)
+
+
+def gap_table(results: dict) -> str:
+  """Each optimizer's gap to AdamW in every fine-tuning table, side by side; empty for fewer than two tables.
+
+  The large model fine-tunes for 100 steps from a 500-step base, the small
+  one for 300 from a 1,000-step base and, in ``finetune_short``, as the
+  large one does: the columns with the same steps differ by size alone.
+  A gap whose sweep (or AdamW's) is unfinished is marked.
+  """
+  protocol = results["protocol"]
+  columns = [(s, t) for s, tasks in protocol["sizes"].items() for t in tasks if base_of(protocol, s, t) is not None]
+  rows = {column: {r.optimizer: r for r in rows_of(results, *column)} for column in columns}
+  columns = [c for c in columns if BASE_OPTIMIZER in rows[c]]
+  if len(columns) < 2:
+    return ""
+
+  def cell(column, name):
+    if name not in rows[column]:
+      return ""
+    row, base = rows[column][name], rows[column][BASE_OPTIMIZER]
+    text = _plus_minus(*gap_to(row, base))
+    return text if row.finished and base.finished else f"{text} (partial)"
+
+  names = [n for n in dict.fromkeys(n for c in columns for n in rows[c]) if n != BASE_OPTIMIZER]
+  names = [n for n in names if sum(n in rows[c] for c in columns) >= 2]
+  head = [
+    f"{protocol['n_params'][s] / 1e6:.2g}M parameters, {protocol['sizes'][s][t]['steps']} steps from a"
+    f" {base_of(protocol, s, t)[1]}-step base"
+    for s, t in columns
+  ]
+  lines = [
+    "Gap to AdamW fine-tuning, by model size, steps and base:",
+    "",
+    "| optimizer | " + " | ".join(head) + " |",
+    "|---" * (1 + len(columns)) + "|",
+  ]
+  lines += [f"| {n} | " + " | ".join(cell(c, n) for c in columns) + " |" for n in names]
+  return "\n".join(lines)
 
 
 def _quality_at(results: dict, optimizer: str, size: str) -> str | None:

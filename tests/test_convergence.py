@@ -197,6 +197,70 @@ def test_a_resumed_sweep_runs_only_what_is_missing_and_saves_after_every_run(tmp
   assert len(json.loads(path.read_text())["runs"]) == 9
 
 
+def test_a_stored_protocol_loads_when_the_current_one_only_adds_tasks_optimizers_or_defaulted_fields():
+  current = convergence.protocol_json()
+  stored = json.loads(json.dumps(current))
+  del stored["sizes"]["small"]["finetune_short"]  # a task added since
+  stored["sizes"]["large"]["finetune"]["optimizers"] = ["adamw", "microadam"]  # optimizers added since
+  for task in stored["sizes"]["small"].values():
+    del task["base_steps"]  # a field added since, at its default
+  assert convergence.same_runs(stored, current)
+  for change in (("steps", 99), ("seeds", [0, 1]), ("start", [0, 1, 2])):
+    other = json.loads(json.dumps(stored))
+    other["sizes"]["small"]["finetune"][change[0]] = change[1]
+    assert not convergence.same_runs(other, current), change
+  other = json.loads(json.dumps(stored))
+  other["sizes"]["small"]["retired"] = other["sizes"]["small"]["finetune"]  # a task the current one lacks
+  assert not convergence.same_runs(other, current)
+  other = json.loads(json.dumps(stored))
+  other["base_pretrain_steps"]["small"] = 10
+  assert not convergence.same_runs(other, current)
+
+
+def test_merge_adds_the_runs_a_file_lacks_and_refuses_another_base():
+  results = fake_results(sweep("adamw", {-1: 2.0, 0: 1.8}) + [fake_run("adamw", 1, 0, 1.9)])
+  other = fake_results(sweep("adamw", {0: 1.8, 1: 1.9}) + sweep("other", {0: 2.0}))
+  other["bases"]["small_50"] = {"validation_loss_before": 2.6}
+  assert convergence.merge(results, other) == 5  # adamw x3's other two seeds, other's x1
+  assert len(results["runs"]) == 12 and results["bases"]["small_50"] == {"validation_loss_before": 2.6}
+  assert convergence.merge(results, other) == 0
+  other["bases"]["small"] = {"validation_loss_before": 2.4}
+  with pytest.raises(SystemExit, match="the small base differs"):
+    convergence.merge(results, other)
+
+
+def test_a_task_with_its_own_base_length_has_its_own_base():
+  protocol = convergence.protocol_json()
+  assert convergence.base_of(protocol, "small", "finetune") == ("small", 1000)
+  assert convergence.base_of(protocol, "small", "finetune_short") == ("small_500", 500)
+  assert convergence.base_of(protocol, "large", "finetune") == ("large", 500)
+  assert convergence.base_of(protocol, "small", "pretrain") is None
+
+
+def test_the_gap_table_sets_each_fine_tuning_beside_the_others():
+  results = fake_results(sweep("adamw", {-1: 2.0, 0: 1.8, 1: 1.9}) + sweep("other", {-1: 2.1, 0: 2.0, 1: 2.05}))
+  assert convergence.gap_table(results) == ""  # one fine-tuning table: nothing to set beside it
+  results["protocol"]["sizes"]["large"] = results["protocol"]["sizes"]["small"]
+  results["protocol"]["n_params"]["large"] = 3_300_000
+  results["protocol"]["base_pretrain_steps"]["large"] = 20
+  results["runs"] += [
+    fake_run(name, e, s, loss + offset, size="large")
+    for name, losses in (("adamw", {-1: 1.9, 0: 1.7, 1: 1.75}), ("other", {-1: 1.85, 0: 1.8}))
+    for e, loss in losses.items()
+    for s, offset in zip(SEEDS, (0.0, 0.01, -0.01))
+  ]
+  assert convergence.gap_table(results).splitlines()[2:] == [
+    "| optimizer | 0.0001M parameters, 30 steps from a 50-step base | 3.3M parameters, 30 steps from a 20-step base |",
+    "|---|---|---|",
+    "| other | +0.200 ± 0.000 | +0.100 ± 0.000 (partial) |",
+  ]
+
+
+def test_tacos_fallback_runs_at_adamws_best_rate_in_the_committed_results(committed):
+  for size, rate in convergence.ADAMW_BEST_FINETUNE_RATE.items():
+    assert convergence.row_of(committed, size, "finetune", "adamw").learning_rate == pytest.approx(rate), size
+
+
 @pytest.fixture(name="committed", scope="module")
 def committed_results():
   return json.loads(convergence.RESULTS.read_text())
@@ -255,4 +319,3 @@ def test_8bit_adamw_forgets_the_second_moment_of_gradients_tiny_beside_their_blo
   assert adam["layer"] < 1.0
   assert eight_bit["layer"] > 100 * adam["layer"]
   assert remedy["lm_head"] == pytest.approx(adam["lm_head"], rel=1e-4) and remedy["layer"] == eight_bit["layer"]
-
