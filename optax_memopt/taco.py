@@ -511,7 +511,7 @@ def taco(
   state of earlier versions), so embeddings, norms and biases take Adam's
   direction at that larger rate. Pass Adam's rate, as for
   ``optax.contrib.muon``'s ``adam_learning_rate``, to train them as AdamW
-  would (``benchmarks/README.md``, convergence, measures both). No other
+  would (the convergence benchmark's ``taco_fallback_adamw_rate``). No other
   alias of this library has groups that want different rates: MicroAdam,
   Adam-mini, ternary Adam and the low-bit AdamWs apply one Adam-like step to
   every parameter.
