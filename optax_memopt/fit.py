@@ -38,6 +38,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from optax_memopt import gpu_targets, leaves
 from optax_memopt.sharding import split_spec, state_shardings
 from optax_memopt.state_bytes import state_nbytes
+from optax_memopt.stochastic_rounding import ROUNDED_DTYPES, with_stochastic_rounding
 from optax_memopt.training import model, optimizers
 
 # Llama-style decoders in this library's Flax layout (``training.model``):
@@ -278,7 +279,10 @@ def report(
     param_dtype: dtype of the floating-point parameters (and gradients), for
       example ``"bfloat16"``; ``None`` (default) keeps the given dtypes.
       Optimizers such as ``adamw_bf16`` keep some moments in this dtype;
-      the ``adamw`` baseline keeps float32 moments.
+      the ``adamw`` baseline keeps float32 moments. With bfloat16 or float16
+      parameters every optimizer is followed by
+      :func:`optax_memopt.stochastic_rounding`, the way to train them (its
+      step count and key are in the state), and the title says so.
     n_heads, n_kv_heads: query and key/value heads, which Adam-mini needs to
       cut fused query and key kernels into heads (default ``None``: no fused
       kernels to cut).
@@ -315,6 +319,9 @@ def report(
   if n_params == 0:
     raise ValueError("params holds no parameters.")
   config = types.SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
+  rounded = any(jnp.dtype(leaf.dtype) in ROUNDED_DTYPES for leaf in jax.tree.leaves(shapes))
+  if rounded:
+    title += ", updates rounded stochastically (optax_memopt.stochastic_rounding)"
 
   mesh = param_shardings = None
   param_bytes = state_nbytes(shapes)
@@ -329,7 +336,8 @@ def report(
     # the parameters it is initialised with.
     init_shapes = _abstract(shapes, jnp.float32) if name == FLOAT32_BASELINE else shapes
     try:
-      state = jax.eval_shape(optimizers.get(name).build(1e-3, config).init, init_shapes)
+      tx = optimizers.get(name).build(1e-3, config)
+      state = jax.eval_shape(with_stochastic_rounding(tx).init if rounded else tx.init, init_shapes)
     except ValueError as error:
       rows.append(Row(name, param_bytes, param_bytes, 0, 0.0, error=str(error)))
       continue

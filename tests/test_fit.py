@@ -72,14 +72,17 @@ def test_param_dtype_sets_params_and_gradients_and_the_baseline_keeps_float32_mo
   params = {"w": jnp.zeros((96, 40)), "b": jnp.zeros((40,))}
   n = 96 * 40 + 40
   result = fit.report(params, param_dtype="bfloat16", optimizer_names=["adamw", "adamw_bf16"])
-  # The baseline is AdamW's 8 bytes per parameter, whatever the parameters' dtype.
+  # The baseline is AdamW's 8 bytes per parameter, whatever the parameters' dtype; bfloat16
+  # parameters add stochastic rounding's step count and key (12 bytes).
   row = result.row("adamw")
-  assert (row.param_bytes, row.gradient_bytes, row.state_bytes) == (2 * n, 2 * n, 8 * n + 4)
+  assert (row.param_bytes, row.gradient_bytes, row.state_bytes) == (2 * n, 2 * n, 8 * n + 4 + 12)
   assert row.state_dtypes == "float32 (mu, nu)"
   # optax.adamw with mu_dtype=bfloat16 keeps v in the parameters' dtype.
   row = result.row("adamw_bf16")
-  assert (row.param_bytes, row.state_bytes, row.state_dtypes) == (2 * n, 4 * n + 4, "bfloat16 (mu, nu)")
-  assert f"| adamw | float32 (mu, nu) | {(8 * n + 4) / n:.3f} |" in str(result)
+  assert (row.param_bytes, row.state_bytes, row.state_dtypes) == (2 * n, 4 * n + 4 + 12, "bfloat16 (mu, nu)")
+  assert f"| adamw | float32 (mu, nu) | {(8 * n + 16) / n:.3f} |" in str(result)
+  assert "updates rounded stochastically (optax_memopt.stochastic_rounding)" in str(result).splitlines()[0]
+  assert "rounded stochastically" not in str(fit.report(params, optimizer_names=["adamw"]))
   row = fit.report(params, optimizer_names=["adamw_bf16"]).row("adamw_bf16")
   assert (row.param_bytes, row.state_bytes, row.state_dtypes) == (4 * n, 6 * n + 4, "float32 (nu), bfloat16 (mu)")
 
@@ -154,7 +157,9 @@ def dense_layer_state_bytes(name: str, param_bytes: int, devices: int) -> int:
     + split(2 * param_bytes * bias)
     + 2 * count,
   }
-  return formulas[name]
+  # bfloat16 parameters: each optimizer is followed by stochastic_rounding, whose step count and key are whole.
+  rounding = whole(4 + 8) if param_bytes == 2 else 0
+  return formulas[name] + rounding
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
