@@ -55,7 +55,19 @@ remainder, exactly (the remainder is those 16 bits). float16 rounding
 compares a uniform of 24 bits with the remainder ``(x - lo) / (hi - lo)``.
 Non-finite values stay as they are; values beyond the largest finite
 float16 round as to nearest. Parameters of other dtypes (float32, float64)
-pass through: their updates are returned as they are.
+pass through: their updates are returned as they are. Where the platform
+flushes float32 subnormals to zero (XLA:CPU does), so do the sums and
+differences above: parameters and targets below about ``2**-118`` in
+magnitude (bfloat16's exponent range is float32's) may land on a flushed
+value instead.
+
+The float32 update is never written to memory when the optimizer's update
+and ``optax.apply_updates`` are in one jitted step: XLA fuses the rounding,
+the subtraction and the addition into the parameter's update pass. A step
+that returns the updates from one ``jit`` and applies them in another
+writes and reads them as float32 (4 bytes per parameter, against a
+bfloat16 update's 2). What each optimizer keeps in bfloat16 and in float32
+for bfloat16 parameters is in ``README.md`` ("bfloat16 parameters").
 
 The random bits come from a key kept in the state, as ternary Adam's do:
 split every step into the next key and the step's key, which draws one
