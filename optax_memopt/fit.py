@@ -28,10 +28,11 @@ import math
 import re
 import sys
 import types
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
@@ -94,10 +95,12 @@ class Memory:
 
 
 def parse_memory(text: str | int | Memory) -> Memory:
-  """``"80GB"`` (decimal, 80e9 bytes), ``"80GiB"`` (binary), or a number of bytes.
+  """``"80GB"`` (decimal, 80e9 bytes), ``"80GiB"`` (binary), ``"4096B"``, or an int number of bytes.
 
   Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of
-  1024), case-insensitive. A card sold as "80GB" (H100) holds 80 GiB.
+  1024), case-insensitive. A card sold as "80GB" (H100) holds 80 GiB. A
+  string needs its unit: ``"80"`` is refused, being most likely 80 GB with
+  the unit forgotten rather than 80 bytes.
   """
   if isinstance(text, Memory):
     return text
@@ -105,17 +108,63 @@ def parse_memory(text: str | int | Memory) -> Memory:
     if text < 1:
       raise ValueError(f"memory must be a positive number of bytes; got {text}.")
     return Memory(text)
-  match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+  match = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
   unit = match.group(2).upper() if match else ""
-  if not match or (unit and unit not in _DECIMAL_UNITS and unit not in _BINARY_UNITS):
+  if not match or unit not in _DECIMAL_UNITS and unit not in _BINARY_UNITS:
     raise ValueError(
-      f"memory must be a size such as 80GB, 80GiB or 512MiB, or a number of bytes (units B, KB, MB, GB, TB,"
+      f"memory must be a size with its unit, such as 80GB, 80GiB or 512MiB (units B, KB, MB, GB, TB,"
       f" KiB, MiB, GiB, TiB); got {text!r}."
     )
-  nbytes = int(float(match.group(1)) * (_BINARY_UNITS.get(unit) or _DECIMAL_UNITS.get(unit or "B")))
+  nbytes = int(float(match.group(1)) * (_BINARY_UNITS.get(unit) or _DECIMAL_UNITS[unit]))
   if nbytes < 1:
     raise ValueError(f"memory must be positive; got {text!r}.")
   return Memory(nbytes, binary=unit in _BINARY_UNITS)
+
+
+# The dtypes a JAX model's parameters and gradients take.
+PARAM_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def parse_param_dtype(dtype: Any) -> np.dtype:
+  """``dtype`` as a ``jnp.dtype`` of :data:`PARAM_DTYPES`, or a ``ValueError`` naming ``param_dtype``."""
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    raise ValueError(
+      f"param_dtype must be a floating-point dtype, one of {', '.join(PARAM_DTYPES)}; got {dtype!r}."
+    ) from None
+  if dtype.name not in PARAM_DTYPES:
+    raise ValueError(f"param_dtype must be a floating-point dtype, one of {', '.join(PARAM_DTYPES)}; got {dtype.name}.")
+  return dtype
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+  """``parse`` for argparse's ``type=``: its ``ValueError`` becomes argparse's one-line usage error."""
+
+  def argument(text: str) -> Any:
+    try:
+      return parse(text)
+    except ValueError as error:
+      raise argparse.ArgumentTypeError(str(error)) from None
+
+  argument.__name__ = parse.__name__
+  return argument
+
+
+def _negative_values_attached(argv: Sequence[str]) -> list[str]:
+  """``argv`` with ``--flag -5GiB`` as ``--flag=-5GiB``.
+
+  argparse reads a value that starts with ``-`` and is not a plain number
+  as a flag, and would report the flag's value missing instead of refusing
+  the value.
+  """
+  joined = []
+  for token in argv:
+    if joined and joined[-1].startswith("--") and "=" not in joined[-1] and re.match(r"-\.?[0-9]", token):
+      joined[-1] = f"{joined[-1]}={token}"
+    else:
+      joined.append(token)
+  return joined
 
 
 def model_params(name: str, param_dtype: Any = jnp.float32) -> Any:
@@ -310,9 +359,7 @@ def report(
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
   if param_dtype is not None:
-    param_dtype = jnp.dtype(param_dtype)
-    if not jnp.issubdtype(param_dtype, jnp.floating):
-      raise ValueError(f"param_dtype must be a floating-point dtype; got {param_dtype.name}.")
+    param_dtype = parse_param_dtype(param_dtype)
   device_memory = None if memory is None else parse_memory(memory)
   shapes = _abstract(params, param_dtype)
   n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
@@ -366,9 +413,17 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   parser.add_argument("--model", default="llama2_7b", help=f"one of {', '.join(MODELS)}")
   parser.add_argument(
-    "--memory", default=None, help="one device's memory, e.g. 80GB (decimal) or 80GiB (binary); none: bytes only"
+    "--memory",
+    type=_argument_type(parse_memory),
+    default=None,
+    help="one device's memory, e.g. 80GB (decimal) or 80GiB (binary); none: bytes only",
   )
-  parser.add_argument("--param-dtype", default="float32", help="dtype of parameters and gradients, e.g. bfloat16")
+  parser.add_argument(
+    "--param-dtype",
+    type=_argument_type(parse_param_dtype),
+    default="float32",
+    help=f"dtype of parameters and gradients: {', '.join(PARAM_DTYPES)}",
+  )
   parser.add_argument("--devices", type=int, default=1, help="devices the model is sharded over (FSDP)")
   parser.add_argument(
     "--optimizers",
@@ -397,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     "--margin", type=float, default=None, help="share of the memory kept free for what the compile cannot see (0.10)"
   )
   step.add_argument("--largest-batch", action="store_true", help="also find the largest batch that fits, from compiles")
-  args = parser.parse_args(argv)
+  args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else argv))
   if args.compile:
     # Before JAX starts its backends: the module sets the CUDA plugin's environment.
     from optax_memopt import gpu_compile
@@ -409,18 +464,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
   if args.model not in MODELS:
     parser.error(f"--model: unknown model {args.model!r}; choose from {', '.join(MODELS)}")
-  memory = None
-  if args.memory is not None:
-    try:
-      memory = parse_memory(args.memory)
-    except ValueError as error:
-      parser.error(f"--memory: {error}")
-  try:
-    param_dtype = jnp.dtype(args.param_dtype)
-  except TypeError:
-    param_dtype = None
-  if param_dtype is None or not jnp.issubdtype(param_dtype, jnp.floating):
-    parser.error(f"--param-dtype: must be a floating-point dtype such as float32 or bfloat16; got {args.param_dtype!r}")
+  memory, param_dtype = args.memory, args.param_dtype
   if args.devices < 1:
     parser.error(f"--devices: must be >= 1; got {args.devices}")
   for name in args.optimizers or ():

@@ -248,7 +248,7 @@ def test_every_registered_optimizer_is_reported_and_unbuildable_ones_say_why(mon
     ("80 gib", 80 * 2**30),
     ("1.5TB", 15 * 10**11),
     ("512MiB", 2**29),
-    ("4096", 4096),
+    ("4096B", 4096),
     ("24kb", 24_000),
     (141 * 10**9, 141 * 10**9),
   ],
@@ -257,7 +257,7 @@ def test_parse_memory(text, nbytes):
   assert fit.parse_memory(text).nbytes == nbytes
 
 
-@pytest.mark.parametrize("text", ["80 gigs", "GB", "", "-1GB", "0GB", "1e9", 0, "80GBB"])
+@pytest.mark.parametrize("text", ["80 gigs", "GB", "", "-1GB", "0GB", "1e9", 0, "80GBB", "80", "-5GiB"])
 def test_parse_memory_refuses_what_is_not_a_size(text):
   with pytest.raises(ValueError, match="memory must be"):
     fit.parse_memory(text)
@@ -267,7 +267,7 @@ def test_report_refuses_bad_input_naming_it():
   params = {"w": jnp.zeros((4, 4))}
   with pytest.raises(ValueError, match="devices must be an integer >= 1; got 0"):
     fit.report(params, devices=0)
-  with pytest.raises(ValueError, match="param_dtype must be a floating-point dtype; got int8"):
+  with pytest.raises(ValueError, match="param_dtype must be a floating-point dtype, one of .*; got int8"):
     fit.report(params, param_dtype="int8")
   with pytest.raises(ValueError, match="leaf 'layers/0/w' is a str"):
     fit.report({"layers": [{"w": "weights"}]})
@@ -282,9 +282,14 @@ def test_report_refuses_bad_input_naming_it():
   [
     (["--model", "gpt5"], "--model: unknown model 'gpt5'; choose from llama2_7b, llama2_13b"),
     (["--memory", "80 gigs"], "--memory: memory must be a size"),
+    # A plain number is refused, with the units; a negative size is a bad value, not a missing one.
+    (["--memory", "80"], "--memory: memory must be a size with its unit, such as 80GB, 80GiB or 512MiB (units B, KB,"),
+    (["--memory", "-5GiB"], "--memory: memory must be positive; got '-5GiB'"),
+    (["--memory=-5GiB"], "--memory: memory must be positive; got '-5GiB'"),
     (["--devices", "0"], "--devices: must be >= 1; got 0"),
-    (["--param-dtype", "int8"], "--param-dtype: must be a floating-point dtype"),
-    (["--param-dtype", "floaty"], "--param-dtype: must be a floating-point dtype"),
+    (["--param-dtype", "int8"], "--param-dtype: param_dtype must be a floating-point dtype"),
+    (["--param-dtype", "floaty"], "--param-dtype: param_dtype must be a floating-point dtype"),
+    (["--param-dtype", "float128"], "--param-dtype: param_dtype must be a floating-point dtype, one of float32,"),
     (["--optimizers", "adamw", "sgd"], "--optimizers: unknown optimizer 'sgd'"),
   ],
 )
