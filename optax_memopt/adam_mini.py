@@ -165,8 +165,7 @@ def scale_by_adam_mini(
   hyperparameters.check_decay_rate("b2", b2)
   hyperparameters.check_non_negative("eps", eps)
   check_partition_arguments(rules, n_heads, n_kv_heads, stacked_modules)
-  hyperparameters.check_static("mu_dtype", mu_dtype)
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  mu_dtype = hyperparameters.check_dtype("mu_dtype", mu_dtype)
 
   def init_fn(params):
     leaves.check_param_dtypes(
@@ -297,6 +296,7 @@ def adam_mini(
   """
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
+  hyperparameters.check_mask("mask", mask)
   return optax.chain(
     scale_by_adam_mini(
       b1,

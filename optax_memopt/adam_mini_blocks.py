@@ -309,7 +309,13 @@ RULE_SETS: dict[str, Callable[..., RuleFn]] = {
 
 def _rule_entries(rules: Rules) -> tuple[Union[str, RuleFn], ...]:
   """Checks ``rules`` eagerly: rule-set names and callables only."""
-  entries = (rules,) if isinstance(rules, str) or callable(rules) else tuple(rules)
+  entries = (rules,) if isinstance(rules, str) or callable(rules) else rules
+  if not isinstance(entries, (list, tuple)):
+    raise ValueError(
+      f"Adam-mini: `rules` must be a rule-set name, a function (path, leaf) -> rule or None, or a sequence of them;"
+      f" got {rules!r}."
+    )
+  entries = tuple(entries)
   if not entries:
     raise ValueError("Adam-mini: `rules` is empty; use e.g. rules='flax'.")
   for entry in entries:
@@ -335,8 +341,8 @@ def _check_head_counts(n_heads, n_kv_heads):
 
 
 def _stacked_names(stacked_modules: str | Sequence[str]) -> frozenset[str]:
-  names = (stacked_modules,) if isinstance(stacked_modules, str) else tuple(stacked_modules)
-  if not all(isinstance(name, str) and name for name in names):
+  names = (stacked_modules,) if isinstance(stacked_modules, str) else stacked_modules
+  if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) and name for name in names):
     raise ValueError(
       f"Adam-mini: stacked_modules must be module names (path components), e.g. 'layers'; got {stacked_modules!r}."
     )

@@ -1,9 +1,13 @@
 """Eager checks of hyper-parameters, shared by every optimizer of the library.
 
 They run when a transformation is built, so a bad value fails with a message
-naming the parameter instead of deep inside ``jit``. Float hyper-parameters
-may be arrays or tracers under ``optax.inject_hyperparams``: only plain
-numbers are checked; a schedule (a callable) is checked by its user.
+naming the parameter instead of deep inside ``jit``. One helper per kind of
+hyper-parameter: float ones (``check_scalar``, ``check_decay_rate``,
+``check_non_negative``) may be 0-d arrays or tracers under
+``optax.inject_hyperparams``, whose type is checked and, for plain numbers,
+the range; a learning rate (``check_learning_rate``) may also be a schedule
+(a callable, checked by its user); masks (``check_mask``), dtypes
+(``check_dtype``) and name lists (``check_names``) are checked by type.
 Shape-fixing hyper-parameters (``check_int``, ``check_fraction``) must be
 plain Python values; traced ones raise an error that says to list them in
 ``inject_hyperparams``' ``static_args``.
@@ -19,24 +23,69 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.static_args import check_decay_rate, check_fraction, check_int, check_non_negative, check_static
+from pallas_kernels.static_args import (
+  check_decay_rate,
+  check_fraction,
+  check_int,
+  check_non_negative,
+  check_scalar,
+  check_static,
+)
 
 __all__ = [
   "check_decay_rate",
+  "check_dtype",
   "check_fraction",
   "check_int",
   "check_learning_rate",
+  "check_mask",
+  "check_names",
   "check_non_negative",
+  "check_scalar",
   "check_static",
   "renamed_keyword",
   "typed_key",
 ]
 
 
-def check_learning_rate(learning_rate: Any) -> None:
-  """A constant learning rate must be ``>= 0``; the alias negates the step itself."""
+def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:
+  """A schedule (a callable of the step count), or a constant ``>= 0``: the alias negates the step itself."""
   if not callable(learning_rate):
-    check_non_negative("learning_rate", learning_rate)
+    check_non_negative(name, learning_rate, alternatives=", or a schedule (a callable of the step count)")
+
+
+def check_mask(name: str, mask: Any) -> None:
+  """``None``, a callable of the params, or a pytree of booleans, as ``optax.add_decayed_weights`` takes."""
+  if mask is None or callable(mask):
+    return
+  for leaf in jax.tree.leaves(mask):
+    if not (isinstance(leaf, (bool, np.bool_)) or (hasattr(leaf, "dtype") and jnp.dtype(leaf.dtype) == jnp.bool_)):
+      raise ValueError(
+        f"{name} must be None, a function of the params or a pytree of booleans like the params; got a leaf {leaf!r}."
+      )
+
+
+def check_dtype(name: str, dtype: Any) -> Any:
+  """``None`` or a floating dtype, as a ``jnp.dtype``."""
+  check_static(name, dtype)
+  if dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{name} must be None or a floating dtype (for example jnp.bfloat16); got {dtype!r}.")
+  return dtype
+
+
+def check_names(name: str, names: Any) -> tuple[str, ...]:
+  """A string or a sequence of strings, as a tuple."""
+  if isinstance(names, str):
+    return (names,)
+  if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
+    return tuple(names)
+  raise ValueError(f"{name} must be a string or a sequence of strings; got {names!r}.")
 
 
 def renamed_keyword(old_name: str, old_value: Any, new_name: str, new_value: Any, default: Any) -> Any:

@@ -222,6 +222,9 @@ def _alias(state_format: str, *, what: str, state_bytes: str, vocabulary: str, r
   ) -> optax.GradientTransformation:
     hyperparameters.check_learning_rate(learning_rate)
     hyperparameters.check_non_negative("weight_decay", weight_decay)
+    hyperparameters.check_mask("mask", mask)
+    # None is scale_by_lowbit_adam's "the format's default"; here the default is explicit.
+    hyperparameters.check_int("block_size", block_size, 1)
     return optax.chain(
       scale_by_lowbit_adam(
         b1,

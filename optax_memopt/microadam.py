@@ -344,6 +344,7 @@ def microadam(
   """
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
+  hyperparameters.check_mask("mask", mask)
   return optax.chain(
     scale_by_microadam(
       b1,

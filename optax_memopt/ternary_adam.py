@@ -387,6 +387,7 @@ def ternary_adam(
   """
   hyperparameters.check_learning_rate(learning_rate)
   hyperparameters.check_non_negative("weight_decay", weight_decay)
+  hyperparameters.check_mask("mask", mask)
   min_quantized_size = hyperparameters.renamed_keyword(
     "min_size", min_size, "min_quantized_size", min_quantized_size, 4096
   )

@@ -113,7 +113,7 @@ def cuda_target_runs_mosaic_gpu() -> bool:
 
 def check(implementation: Implementation) -> None:
   """Raises ``ValueError`` naming ``implementation`` unless it is one of :data:`IMPLEMENTATIONS`."""
-  if implementation not in IMPLEMENTATIONS:
+  if not (implementation is None or (isinstance(implementation, str) and implementation in IMPLEMENTATIONS)):
     raise ValueError(f"implementation must be one of None, 'xla', 'pallas' or 'interpret'; got {implementation!r}.")
 
 

@@ -4,8 +4,8 @@ A block size, a window or a number of bits fixes array shapes, so it must be
 a Python value when a function is traced. Under ``optax.inject_hyperparams``
 every numeric argument becomes an array unless it is listed in
 ``static_args``: the error says so, naming the argument. Float arguments
-(decay rates, ``eps``) may be arrays or tracers: only plain numbers are
-checked.
+(decay rates, ``eps``) may be 0-d arrays or tracers: their type is checked,
+and the range of plain numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import operator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Indices below this fit in int16 (block-local top-k indices, TACO's output
@@ -55,19 +56,31 @@ def check_fraction(name: str, value: Any) -> float:
   return float(value)
 
 
-def _is_number(value: Any) -> bool:
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def check_scalar(name: str, value: Any, allowed: str, *, alternatives: str = "") -> bool:
+  """Whether a traceable float argument is a plain number (whose range the caller checks).
+
+  A real Python or NumPy number, or a 0-d real array or tracer (what
+  ``optax.inject_hyperparams`` passes); anything else (a string, None, a
+  complex number, an array of another shape) raises a ``ValueError`` naming
+  ``name``, ``allowed`` (its range) and ``alternatives`` (other accepted forms).
+  """
+  if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+    return True
+  if isinstance(value, (jax.Array, jax.core.Tracer, np.ndarray)) and np.shape(value) == ():
+    if jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer):
+      return False
+  raise ValueError(f"{name} must be a real number {allowed} or a 0-d real array{alternatives}; got {value!r}.")
 
 
 def check_decay_rate(name: str, value: Any) -> None:
   """An exponential-moving-average rate such as ``b1``: in ``[0, 1)``."""
-  if _is_number(value) and not 0 <= value < 1:
+  if check_scalar(name, value, "in [0, 1)") and not 0 <= value < 1:
     raise ValueError(f"{name} must be in [0, 1); got {value}.")
 
 
-def check_non_negative(name: str, value: Any) -> None:
+def check_non_negative(name: str, value: Any, *, alternatives: str = "") -> None:
   """``eps``, ``weight_decay``: ``>= 0`` (and not NaN)."""
-  if _is_number(value) and not value >= 0:
+  if check_scalar(name, value, ">= 0", alternatives=alternatives) and not value >= 0:
     raise ValueError(f"{name} must be >= 0; got {value}.")
 
 

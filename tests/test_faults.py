@@ -34,6 +34,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 
+import optax_memopt
 from tests.optimizer_cases import CASES
 from tests.test_transformation_properties import (
   build,
@@ -211,6 +212,46 @@ def test_invalid_hyperparameter_is_refused_when_built(name, argument, value):
   except Exception as error:
     pytest.fail(f"{argument}={value!r} accepted when built; {type(error).__name__} later: {error}")
   pytest.fail(f"{argument}={value!r} accepted (no error when built, nor in init or update)")
+
+
+# Every hyper-parameter of every transformation the package exports, given a
+# value of the wrong type: a ValueError naming it when built. None is refused
+# where it is not the default; a string where the parameter does not take
+# strings. A renamed keyword's message names its new name.
+WRONG_TYPES = {"string": "abc", "none": None, "vector": np.ones(3, np.float32), "complex": 1j}
+RENAMED = {"min_size": "min_quantized_size"}
+
+
+def _transformations():
+  for export in optax_memopt.__all__:
+    factory = getattr(optax_memopt, export)
+    if inspect.isfunction(factory) and inspect.signature(factory).return_annotation == "optax.GradientTransformation":
+      required = [p.name for p in inspect.signature(factory).parameters.values() if p.default is p.empty]
+      if set(required) <= {"learning_rate"}:
+        yield factory
+
+
+def _wrong_type_cases():
+  for factory in _transformations():
+    for parameter in inspect.signature(factory).parameters.values():
+      default = parameter.default
+      takes_strings = isinstance(default, str) or "str" in str(parameter.annotation)
+      values = {
+        kind: value
+        for kind, value in WRONG_TYPES.items()
+        if not (kind == "none" and default is None) and not (kind == "string" and takes_strings)
+      }
+      if values:
+        yield pytest.param(factory, parameter.name, values, id=f"{factory.__name__}-{parameter.name}")
+
+
+@pytest.mark.parametrize("factory, argument, values", list(_wrong_type_cases()))
+def test_wrong_type_hyperparameter_is_refused_when_built(factory, argument, values):
+  others = {"learning_rate": 1e-3} if "learning_rate" in inspect.signature(factory).parameters else {}
+  for kind, value in values.items():
+    with pytest.raises(ValueError) as error:
+      factory(**{**others, argument: value})
+    assert RENAMED.get(argument, argument) in str(error.value), f"{kind}: the error does not name {argument!r}"
 
 
 # ---------------------------------------------------------------------------
