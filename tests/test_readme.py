@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests import host_devices
+from tests.optimizer_cases import SHARDING_CASES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -89,6 +90,25 @@ def test_the_h100_example_is_selected_by_cis_filter():
   """CI's gpu-compile lane runs `pytest tests/test_readme.py -k h100`: the H100 example's id must match it."""
   assert [name for _, name, code in EXAMPLES if "gpu_compile" in code and "h100" in name.lower()]
   assert "python -m pytest tests/test_readme.py -k h100" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_lists_every_static_arg_for_inject_hyperparams():
+  """Every hyper-parameter an optimizer needs in ``static_args`` (``tests/optimizer_cases.py``) is named."""
+  start = README.index("## The optimizers")
+  paragraph = README[start : README.index("\n\n", README.index("static_args", start))]
+  static_args = {arg for case in SHARDING_CASES.values() for arg in case.static_args}
+  assert {arg for arg in static_args if f"`{arg}`" not in paragraph} == set()
+
+
+def test_ci_prints_each_lanes_time_where_the_docs_say():
+  ci = (ROOT / ".ci" / "run").read_text()
+  lanes = re.findall(r"^lane (\S+)$", ci, flags=re.M)
+  # Every lane opens before its virtualenv and closes after it.
+  assert len(lanes) == ci.count("\npython -m venv ") + ci.count("\nPYENV_VERSION=3.12.1 python -m venv ") >= 3
+  assert re.findall(r"^deactivate\nlane_done$", ci, flags=re.M) == ["deactivate\nlane_done"] * len(lanes)
+  development = (ROOT / "docs" / "development.md").read_text()
+  assert all(f"`lane {lane}" in development for lane in lanes)
+  assert re.search(r"suite took [0-9.]+ minutes", development)
 
 
 def test_ci_runs_the_readme_test_command():
