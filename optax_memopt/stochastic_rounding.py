@@ -226,7 +226,7 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
     seeds = jax.lax.optimization_barrier(list(jax.random.bits(step_key, (len(flat_updates),), jnp.uint32)))
 
     def round_leaf(update, param, seed):
-      if jnp.dtype(param.dtype) not in ROUNDED_DTYPES:
+      if jnp.result_type(param) not in ROUNDED_DTYPES:
         return update
       bits = element_bits(seed, param.shape)
       start = param.astype(jnp.float32)
