@@ -424,6 +424,14 @@ def _per_device_bytes(tree: Any) -> int:
   return total
 
 
+def _fsdp_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """FSDP as users shard: the first axis the devices divide; else as far as the shape allows (``split_spec``)."""
+  divided = [d for d, size in enumerate(shape) if size % mesh.size == 0]
+  if not divided:
+    return split_spec(shape, mesh)
+  return PartitionSpec(*(mesh.axis_names[0] if d == divided[0] else None for d in range(len(shape))))
+
+
 def _fsdp_tp_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
   """A matrix's first axis over ``fsdp`` and last over ``tp``, each where it divides; vectors replicated."""
   if len(shape) < 2:
@@ -452,9 +460,9 @@ def compile_step(
       allocated); gradients are taken in the same shapes and dtypes.
     target: the GPU, one of :data:`TARGETS`.
     devices: devices of one host that the step is sharded over, FSDP-style:
-      each parameter along a dimension ``devices`` divides
-      (:func:`optax_memopt.sharding.split_spec`), the state by
-      :func:`optax_memopt.state_shardings`.
+      each parameter along its first dimension the devices divide (where
+      none does, as :func:`optax_memopt.sharding.split_spec` cuts it), the
+      state by :func:`optax_memopt.state_shardings`.
     hosts: hosts of ``devices`` GPUs each; the step is sharded over all
       ``hosts * devices`` of them.
     tensor_parallel: devices of a host that split each matrix's last axis
@@ -484,7 +492,7 @@ def compile_step(
     state_sharding = jax.tree.map(lambda _: single, state)
   else:
     mesh = Mesh(np.array(device_list), ("fsdp",))
-    param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, split_spec(p.shape, mesh)), shapes)
+    param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, _fsdp_spec(p.shape, mesh)), shapes)
     state_sharding = state_shardings(state, shapes, param_shardings, mesh)
   placed_params = _placed(shapes, param_shardings)
   placed_state = _placed(state, state_sharding)
@@ -529,6 +537,7 @@ class PeakRow:
   arithmetic_bytes: int  # Parameters + gradients + state on one device.
   peak_bytes: int  # XLA's peak of the compiled step on one device.
   error: str | None = None
+  collective_bytes: float = 0.0  # What one device's part of a sharded step carries through collectives.
 
   @property
   def temporaries_bytes(self) -> int:
@@ -552,12 +561,14 @@ class PeakReport:
 
   def __str__(self) -> str:
     gb = decimal_bytes
+    # A sharded step's collectives (the bytes one device sends or receives).
+    sharded = (" collectives |", "---|") if self.devices > 1 else ("", "")
     lines = [
       f"{self.title}: {self.n_params:,} parameters, the step compiled by XLA for {self.devices} x"
       f" {self.target.upper()}; per device, {gb(self.memory)} each",
       "",
-      "| optimizer | params + grads + state | XLA's peak | temporaries | fits |",
-      "|---|---|---|---|---|",
+      "| optimizer | params + grads + state | XLA's peak | temporaries | fits |" + sharded[0],
+      "|---|---|---|---|---|" + sharded[1],
     ]
     for row in self.rows:
       if row.error is not None:
@@ -565,6 +576,7 @@ class PeakReport:
         continue
       fits = "yes" if row.peak_bytes <= self.memory else "no"
       cells = (row.optimizer, gb(row.arithmetic_bytes), gb(row.peak_bytes), gb(row.temporaries_bytes), fits)
+      cells += (gb(row.collective_bytes),) if self.devices > 1 else ()
       lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -624,7 +636,7 @@ def peak_report(
       continue
     program = compile_step(tx, params, target=target, devices=devices)
     arithmetic = program.param_bytes + program.gradient_bytes + program.state_bytes
-    rows.append(PeakRow(name, arithmetic, program.peak_bytes))
+    rows.append(PeakRow(name, arithmetic, program.peak_bytes, collective_bytes=sum(program.collectives.values())))
   memory = device_memory_bytes(target) if memory is None else memory
   return PeakReport(tuple(rows), n_params, target, devices, memory, title)
 

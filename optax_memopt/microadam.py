@@ -15,12 +15,16 @@ parameter, against 8 for fp32 Adam.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_memopt import hyperparameters, leaves, sharding
 from pallas_kernels import dispatch, feedback_topk, microadam_update, quantize, static_args, topk
@@ -84,6 +88,116 @@ def _check_hyperparameters(
       f" got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
     )
   return window, density, block_size, bucket_size
+
+
+def _whole_blocks(size: int, block_size: int, bucket_size: int) -> bool:
+  """Whether a tensor of ``size`` elements is whole top-k blocks, each of whole buckets and packed code rows.
+
+  Then every part of its step (selection, error codes and statistics, the
+  window's update) lies within blocks, and a shard of whole blocks can take
+  its step alone (:func:`_block_local_step`).
+  """
+  return size > 0 and size % block_size == 0 and block_size % bucket_size == 0 and block_size % quantize.ROW == 0
+
+
+def _without_internal_refs(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` with the refs it creates inside (the in-place Mosaic GPU kernels' operands) turned into values.
+
+  ``jax.jit`` lowers such refs, but JAX 0.10's ``custom_partitioning`` lowers
+  a partition's function without doing so (it refuses the refs' effect), so
+  the function is handed over already discharged.
+  """
+  from jax._src.state.discharge import discharge_state
+
+  def discharged(*args):
+    closed = discharge_state(jax.make_jaxpr(fn)(*args))
+    return jax.tree.unflatten(
+      jax.tree.structure(jax.eval_shape(fn, *args)),
+      jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args)),
+    )
+
+  return discharged
+
+
+# Operands and results of one tensor's step: the flat gradient and direction,
+# codes and statistics, ``n`` blocks of ``a``, ``c`` and ``s`` elements each,
+# and the ring's ``(window, n * k)`` entries; the step count and decay rates
+# are scalars. Flat, the partitioner splits a sharded leading axis into whole
+# blocks; a (rows, columns) -> (blocks, block_size) reshape whose blocks cross
+# rows would move the tensor through an all-to-all.
+_BLOCK_RULE = "(n a), w (n k), w (n k), (n c), (n s), (n s), , , , -> (n a), w (n k), w (n k), (n c), (n s), (n s)"
+
+
+def _block_rule(**sizes: int) -> tuple[str, dict[str, int]]:
+  """``_BLOCK_RULE`` and its factors' sizes, without the factors of size 1 (which Shardy refuses in a compound)."""
+  rule = _BLOCK_RULE
+  for factor, size in sizes.items():
+    if size == 1:
+      rule = re.sub(rf"\(n {factor}\)", "n", rule) if factor != "n" else re.sub(r"\(n (\w)\)", r"\1", rule)
+  kept = {factor: size for factor, size in sizes.items() if size > 1 and re.search(rf"\({factor} |\b{factor}\)", rule)}
+  return rule, kept
+
+
+def _block_local_step(
+  flat_step, gradient, indices, values, codes, minimum, maximum, *scalars, window: int, block_size: int
+):
+  """``flat_step`` of a tensor of whole blocks, taken by each device on the blocks it holds.
+
+  The step is partitioned by ``custom_partitioning`` along its blocks
+  (``_BLOCK_RULE``): where the mesh axes that shard the flattened tensor cut
+  it into runs of whole blocks, each device runs ``flat_step`` (kernels
+  included) on its own blocks and nothing crosses devices, as for an
+  FSDP-sharded parameter and its state laid out by
+  ``optax_memopt.state_shardings``. Otherwise (blocks that straddle shards,
+  e.g. a parameter's last axis split by tensor parallelism) the partitioner
+  brings the blocks together (all-to-all, or all-gather where the blocks do
+  not divide over the devices) before the step and back after it: the same
+  numbers, with collectives. A device's step computes the window's
+  directions ``WINDOW_ENTRIES_AT_ONCE / shards`` entries at a time, so its
+  temporaries split like the parameters. A single-device program runs
+  ``flat_step`` unchanged.
+
+  Returns:
+    ``(direction, indices, values, codes, minimum, maximum)``, the direction
+    flat and the state in its own shapes.
+  """
+  n_blocks = gradient.size // block_size
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    axes = arg_shapes[0].sharding.spec[0] if arg_shapes[0].sharding.spec else None
+    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    shards = math.prod(mesh.shape[a] for a in names)
+    if n_blocks % shards:
+      axes, shards = None, 1
+    # A device's share of the window entries a single device computes at once:
+    # the step's temporaries split like its parameters.
+    local_step = functools.partial(flat_step, entries_at_once=max(1, microadam_update.WINDOW_ENTRIES_AT_ONCE // shards))
+    flat = NamedSharding(mesh, PartitionSpec(axes))
+    ring = NamedSharding(mesh, PartitionSpec(None, axes))
+    scalar = NamedSharding(mesh, PartitionSpec())
+    results = (flat, ring, ring, flat, flat, flat)
+    return mesh, _without_internal_refs(local_step), results, (*results, *(scalar,) * len(scalars))
+
+  def infer(mesh, arg_shapes, result_shape):
+    return partition(mesh, arg_shapes, result_shape)[2]
+
+  rule, sizes = _block_rule(
+    n=n_blocks,
+    a=block_size,
+    k=indices.shape[1] // n_blocks,
+    c=codes.size // n_blocks,
+    s=minimum.size // n_blocks,
+  )
+  # Positional operands only: custom_partitioning binds no keyword-only arguments.
+  step = custom_partitioning(lambda *operands: flat_step(*operands))
+  step.def_partition(
+    partition=partition,
+    infer_sharding_from_operands=infer,
+    sharding_rule=rule,
+    **sizes,
+  )
+  return step(gradient.reshape(-1), indices, values, codes, minimum, maximum, *scalars)
 
 
 def scale_by_microadam(
@@ -229,18 +343,15 @@ def scale_by_microadam(
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    ring_row = (count - 1) % window
 
-    def update_leaf(gradient, indices, values, *error):
-      param_dtype = gradient.dtype
-      # The ops take floats of at most 32 bits; a float64 gradient is read in
-      # float32, the precision of MicroAdam's arithmetic.
-      if jnp.dtype(param_dtype).itemsize > 4:
-        gradient = gradient.astype(jnp.float32)
+    def flat_step(gradient, indices, values, codes, minimum, maximum, count, b1, b2, eps, *, entries_at_once=None):
+      """The step of one flat tensor (or of a shard of whole blocks of it): its direction and state."""
+      error = quantize.QuantizedArray(codes, minimum, maximum)
+      ring_row = (count - 1) % window
       # Error feedback a = g + dequant(e), and the block top-k of |a|, which
       # goes to this step's ring row.
       selected, kept = feedback_topk.feedback_topk(
-        quantize.QuantizedArray(*error),
+        error,
         gradient,
         density=density,
         block_size=block_size,
@@ -253,8 +364,8 @@ def scale_by_microadam(
       # What top-k left out is the next error, in 4 bits: a (recomputed from
       # g and e, not read back) with a[I] = 0.
       error = quantize.requantize_unselected(
-        quantize.QuantizedArray(*error),
-        gradient.reshape(-1),
+        error,
+        gradient,
         selected,
         kept,
         density=density,
@@ -266,10 +377,33 @@ def scale_by_microadam(
       )
       # M and S from the window, and the direction c1 M / (sqrt(c2 S) + eps).
       direction = microadam_update.microadam_update(
-        indices, values, count, b1, b2, eps, size=gradient.size, density=density, block_size=block_size
+        indices,
+        values,
+        count,
+        b1,
+        b2,
+        eps,
+        size=gradient.size,
+        density=density,
+        block_size=block_size,
+        entries_at_once=entries_at_once or microadam_update.WINDOW_ENTRIES_AT_ONCE,
       )
-      direction = direction.reshape(gradient.shape).astype(param_dtype)
       return (direction, indices, values, *error)
+
+    def update_leaf(gradient, indices, values, *error):
+      param_dtype = gradient.dtype
+      # The ops take floats of at most 32 bits; a float64 gradient is read in
+      # float32, the precision of MicroAdam's arithmetic.
+      if jnp.dtype(param_dtype).itemsize > 4:
+        gradient = gradient.astype(jnp.float32)
+      hyper = (count, *(jnp.asarray(h, jnp.float32) for h in (b1, b2, eps)))
+      if _whole_blocks(gradient.size, block_size, bucket_size):
+        direction, *state = _block_local_step(
+          flat_step, gradient, indices, values, *error, *hyper, window=window, block_size=block_size
+        )
+      else:
+        direction, *state = flat_step(gradient.reshape(-1), indices, values, *error, *hyper)
+      return (direction.reshape(gradient.shape).astype(param_dtype), *state)
 
     # On XLA:CPU one leaf after another, so that one leaf's dense temporaries
     # (its error feedback and direction) are live at a time, not every leaf's.

@@ -302,17 +302,19 @@ def _block_directions(local, ring_values, weights, eps, first_block, buffers, *,
 WINDOW_ENTRIES_AT_ONCE = 1 << 21
 
 
-def _dense_update(ring, weights, eps, *, n_blocks: int, width: int, block_size: int) -> jax.Array:
+def _dense_update(
+  ring, weights, eps, *, n_blocks: int, width: int, block_size: int, entries_at_once: int = WINDOW_ENTRIES_AT_ONCE
+) -> jax.Array:
   """The flat dense update of ``n_blocks`` blocks of ``width`` elements from their ring columns.
 
   ``ring`` is ``(indices, values)``, ``[window, n_blocks * keep]`` each.
-  More than ``WINDOW_ENTRIES_AT_ONCE`` entries go through a loop over chunks
+  More than ``entries_at_once`` entries go through a loop over chunks
   of blocks of one size, the last ending at the last block.
   """
   window, n_columns = ring[0].shape
   keep = n_columns // n_blocks
   n_entries, words = window * keep, -(-width // _WORD)
-  n_chunks = -(-n_blocks // max(1, WINDOW_ENTRIES_AT_ONCE // n_entries))
+  n_chunks = -(-n_blocks // max(1, entries_at_once // n_entries))
   chunk = -(-n_blocks // n_chunks)
 
   def chunk_directions(first_block, count, buffers):
@@ -339,7 +341,7 @@ def _dense_update(ring, weights, eps, *, n_blocks: int, width: int, block_size: 
   return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 
 
-def _update_xla(indices, values, weights, eps, *, size, block_size, k):
+def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_at_once=WINDOW_ENTRIES_AT_ONCE):
   """The direction at the window's entries only, read densely through a bitmap rank.
 
   The only dense array is the update, gathered from each block's compacted
@@ -349,7 +351,17 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   dense = []
   if full_blocks:
     ring = [r[:, : full_blocks * k] for r in (indices, values)]
-    dense.append(_dense_update(ring, weights, eps, n_blocks=full_blocks, width=block_size, block_size=block_size))
+    dense.append(
+      _dense_update(
+        ring,
+        weights,
+        eps,
+        n_blocks=full_blocks,
+        width=block_size,
+        block_size=block_size,
+        entries_at_once=entries_at_once,
+      )
+    )
   if tail:
     ring = [r[:, full_blocks * k :] for r in (indices, values)]
     dense.append(_dense_update(ring, weights, eps, n_blocks=1, width=tail, block_size=block_size))
@@ -358,8 +370,8 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k):
   return jnp.concatenate(dense)
 
 
-@functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
-def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size):
+@functools.partial(jax.jit, static_argnames=("size", "density", "block_size", "entries_at_once"))
+def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size, entries_at_once):
   weights = window_weights(count, b1, b2, window=indices.shape[0])
   return _update_xla(
     indices,
@@ -369,6 +381,7 @@ def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, blo
     size=size,
     block_size=block_size,
     k=topk.entries_kept(block_size, density),
+    entries_at_once=entries_at_once,
   )
 
 
@@ -383,6 +396,7 @@ def microadam_update(
   size: int,
   density: float,
   block_size: int,
+  entries_at_once: int = WINDOW_ENTRIES_AT_ONCE,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
 
@@ -408,6 +422,9 @@ def microadam_update(
     density: the top-k's fraction kept per block; ``K =
       topk.selection_size(size, density=density, block_size=block_size)``.
     block_size: elements per top-k block.
+    entries_at_once: window entries whose directions are computed at once;
+      more go through a loop over chunks of blocks (the same numbers, with
+      temporaries of a bounded size).
 
   Returns:
     The float32 update, flat, of shape ``(size,)``.
@@ -441,4 +458,15 @@ def microadam_update(
     raise ValueError(f"values must have the shape of indices {indices.shape}; got {values.shape}.")
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  return _microadam_update(indices, values, count, b1, b2, eps, size=size, density=density, block_size=block_size)
+  return _microadam_update(
+    indices,
+    values,
+    count,
+    b1,
+    b2,
+    eps,
+    size=size,
+    density=density,
+    block_size=block_size,
+    entries_at_once=entries_at_once,
+  )

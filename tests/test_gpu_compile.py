@@ -314,6 +314,18 @@ def test_collectives_of_a_program_compiled_for_two_hosts_of_eight():
 
 
 @needs_plugin
+def test_microadam_sharded_over_8_h100s_steps_each_shard_alone():
+  import optax_memopt
+
+  # 128 blocks of 16384 (the default), 16 whole blocks on each device: the
+  # selection, the error feedback, the window's bitmap and update stay local.
+  params = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32)}
+  program = gpu_compile.compile_step(optax_memopt.microadam(1e-3), params, devices=8)
+  assert program.param_bytes == 4 * 2048 * 1024 // 8
+  assert set(program.collectives.values()) == {0}
+
+
+@needs_plugin
 def test_peak_report_on_eval_shape_params_and_the_planners_option():
   import flax.linen as nn
 
