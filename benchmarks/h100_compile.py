@@ -11,7 +11,8 @@ in the H100's 80 GB. ``--kernels`` also compiles each optimizer with every
 Pallas kernel on (``implementation="pallas"``). ``--model llama3_8b`` takes
 Llama-3-8B's shapes instead, whose 128K-token vocabulary makes the embedding
 and the head 525M parameters each: the step's temporaries where one tensor is
-a large share of the model.
+a large share of the model. ``--target h200`` or ``b200`` compiles for that GPU
+instead (``optax_memopt.gpu_compile.TARGETS``).
 
 ``--stochastic-rounding`` also compiles, with bfloat16 parameters, each
 optimizer followed by stochastic rounding
@@ -27,8 +28,9 @@ optimizer's round-to-nearest step and bfloat16 ``optax.adamw``'s.
 ``--optimizers NAME`` re-measures one optimizer. The CI lane compiles two
 layers (float32, default implementations) and fails when an optimizer's
 bytes ratio or temporaries rise by more than 5% over
-``benchmarks/data/h100_compile.json`` (``--check``); a change that lowers
-them rewrites its rows in the same commit.
+``benchmarks/data/h100_compile.json`` (``--check``), and for a B200
+(sm_100a kernels) over ``benchmarks/data/b200_compile.json``; a change that
+lowers them rewrites its rows in the same commit.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ TOLERANCE = 0.05
 ABSOLUTE_SLACK = 0.005
 
 
+# Each target's memory as its data sheet names it (``gpu_targets/``).
+MEMORY = {"h100": "80 GB", "h200": "141 GB", "b200": "180 GB"}
+
 # The key of a row's bfloat16 step followed by stochastic rounding, beside "default" and "pallas".
 ROUNDING = "stochastic_rounding"
 
@@ -71,13 +76,13 @@ def model_params(model_name: str, layers: int, param_dtype) -> tuple[dict, model
   return params, config
 
 
-def measure(name: str, params, config, *, kernels: bool, rounding: bool = False) -> dict:
+def measure(name: str, params, config, *, kernels: bool, target: str = "h100", rounding: bool = False) -> dict:
   spec = optimizers.get(name)
   tx = spec.build(1e-3, config, implementation="pallas") if kernels else spec.build(1e-3, config)
   if rounding:
     tx = optax_memopt.with_stochastic_rounding(tx)
   start = time.perf_counter()
-  program = gpu_compile.compile_step(tx, params)
+  program = gpu_compile.compile_step(tx, params, target=target)
   per_param = lambda b: b / program.n_params
   # A step that branches (GaLore's SVD every update_proj_gap steps) moves its costliest branch's bytes
   # only on the steps that take it: the cheapest branch's figure is kept beside it.
@@ -89,7 +94,7 @@ def measure(name: str, params, config, *, kernels: bool, rounding: bool = False)
     "peak": per_param(program.peak_bytes),
     "temporaries": per_param(program.temporaries_bytes),
     "peak_bytes": program.peak_bytes,
-    "fits": program.peak_bytes <= gpu_compile.device_memory_bytes(),
+    "fits": program.peak_bytes <= gpu_compile.device_memory_bytes(target),
     "compile_seconds": round(time.perf_counter() - start, 1),
   } | ({"moved_cheapest_branch": per_param(cheapest)} if cheapest < program.moved_bytes else {})
 
@@ -97,10 +102,11 @@ def measure(name: str, params, config, *, kernels: bool, rounding: bool = False)
 def render(results: dict) -> str:
   """Markdown tables (one per parameter dtype) from the JSON results."""
   layers, name = results["layers"], MODELS[results.get("model", "llama2_7b")]
+  target = results.get("target", "h100")
   shape = name if layers == 32 else f"{name}'s embedding, head and {layers} of its 32 decoder layers"
   out = [
-    f"{shape} ({results['n_params']:,} parameters), compiled for an H100 with JAX {results['jax']};"
-    " bytes per parameter."
+    f"{shape} ({results['n_params']:,} parameters), compiled for {'an' if target[0] == 'h' else 'a'}"
+    f" {target.upper()} with JAX {results['jax']}; bytes per parameter."
   ]
   for dtype, rows in results["rows"].items():
     adamw = rows["adamw"]["default"]["moved"]
@@ -110,7 +116,7 @@ def render(results: dict) -> str:
     # Whether the step fits says something only of the whole model.
     whole = layers == 32
     header = "| optimizer | state | bytes moved | / adamw | peak | temporaries |" + (
-      " fits in 80 GB |" if whole else ""
+      f" fits in {MEMORY[target]} |" if whole else ""
     )
     rule = "|---|---|---|---|---|---|" + ("---|" if whole else "")
     if kernels:
@@ -155,7 +161,7 @@ def merged(results: dict, path: pathlib.Path) -> dict:
   if not path.exists():
     return results
   previous = json.loads(path.read_text())
-  key = lambda r: (r["layers"], r["jax"], r.get("model", "llama2_7b"))
+  key = lambda r: (r["layers"], r["jax"], r.get("model", "llama2_7b"), r.get("target", "h100"))
   if key(previous) != key(results):
     return results
   for dtype, rows in results["rows"].items():
@@ -165,16 +171,19 @@ def merged(results: dict, path: pathlib.Path) -> dict:
   return previous
 
 
-def regressions(results: dict, committed: dict) -> list[str]:
+def regressions(results: dict, committed: dict, names=None) -> list[str]:
   """Each measured optimizer whose bytes ratio to AdamW or temporaries rose past the tolerance.
 
-  Compares the parameter dtypes and implementations ``results`` holds; a
-  committed optimizer missing from them is a regression.
+  Compares the parameter dtypes and implementations ``results`` holds, and
+  the optimizers ``names`` (default: every committed one); one of them
+  missing from ``results`` is a regression.
   """
   found = []
   for dtype, rows in results["rows"].items():
     measured = {implementation for row in rows.values() for implementation in row}
     for name, row in committed["rows"].get(dtype, {}).items():
+      if names is not None and name not in names:
+        continue
       for implementation, old in row.items():
         if implementation not in measured:
           continue
@@ -202,6 +211,7 @@ def main(argv=None) -> int:
     help="Llama-2-7B, or Llama-3-8B (a 128K-token vocabulary: a 525M-parameter embedding and head)",
   )
   parser.add_argument("--layers", type=int, default=32, help="decoder layers of the model's 32")
+  parser.add_argument("--target", default="h100", choices=gpu_compile.TARGETS, help="the GPU compiled for")
   parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
   parser.add_argument(
     "--optimizers",
@@ -234,23 +244,25 @@ def main(argv=None) -> int:
   results = {"jax": jax.__version__, "layers": args.layers, "rows": {}}
   if args.model != "llama2_7b":
     results["model"] = args.model
+  if args.target != "h100":
+    results["target"] = args.target
   for dtype in args.param_dtypes:
     params, config = model_params(args.model, args.layers, dtype)
     results["n_params"] = shapes.count(params)
     rows = results["rows"][dtype] = {}
     for name in names:
-      rows[name] = {"default": measure(name, params, config, kernels=False)}
+      rows[name] = {"default": measure(name, params, config, kernels=False, target=args.target)}
       if args.kernels and optimizers.get(name).has_kernels:
-        rows[name]["pallas"] = measure(name, params, config, kernels=True)
+        rows[name]["pallas"] = measure(name, params, config, kernels=True, target=args.target)
       if args.stochastic_rounding and dtype == "bfloat16":
-        rows[name][ROUNDING] = measure(name, params, config, kernels=False, rounding=True)
+        rows[name][ROUNDING] = measure(name, params, config, kernels=False, target=args.target, rounding=True)
       print(f"{dtype} {name}: {json.dumps(rows[name])}", file=sys.stderr, flush=True)
   print(render(results))
   if args.json:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(merged(results, args.json), indent=1) + "\n")
   if args.check:
-    found = regressions(results, json.loads(args.check.read_text()))
+    found = regressions(results, json.loads(args.check.read_text()), None if args.optimizers is None else names)
     if found:
       print("Regressions over " + str(args.check) + ":\n  " + "\n  ".join(found), file=sys.stderr)
       return 1

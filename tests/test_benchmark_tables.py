@@ -105,3 +105,15 @@ def test_ternary_adams_docstrings_quote_the_readmes_state_bytes():
   figure = rows["ternary_adam"][header.index("state bytes/param (Llama-2-7B)")]
   for doc in (module.__doc__, module.ternary_adam.__doc__):
     assert re.findall(r"(\d+\.\d+) bytes (?:of\s+state\s+)?per\s+parameter", doc) == [figure]
+
+
+def test_the_b200_compile_tables_are_rendered_from_the_results():
+  results = json.loads((ROOT / "benchmarks" / "data" / "b200_compile.json").read_text())
+  assert h100_compile.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_the_kernel_registers_table_is_rendered_from_the_results():
+  from benchmarks import kernel_registers
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "kernel_registers.json").read_text())
+  assert kernel_registers.render(results) in (ROOT / "docs" / "kernels.md").read_text()
