@@ -40,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import optax_memopt
 from benchmarks import convergence
@@ -54,6 +55,10 @@ ROUNDINGS = {
   "stochastic": "stochastic rounding",
   "nearest": "round-to-nearest",
 }
+# optax.adamw keeps m and v in the parameters' dtype; in bfloat16, v's decay
+# 0.999 rounds to 1 and v stops forgetting. This AdamW keeps them in float32
+# (``float32_moments``); its float32-parameter runs are adamw's.
+FLOAT32_MOMENTS = "adamw_float32_moments"
 # AdamW's rates below its best (powers of 3 from its default, as in
 # convergence.json): 3e-4 at the peak, a tenth of that at the end.
 LOW_RATES = (-1,)
@@ -66,6 +71,11 @@ class Case:
   optimizer: str
   exponent: int
   rounding: str
+
+  @property
+  def reference(self) -> str:
+    """The optimizer whose float32-parameter runs this case compares with."""
+    return convergence.BASE_OPTIMIZER if self.optimizer == FLOAT32_MOMENTS else self.optimizer
 
 
 def best_exponent(reference: dict, name: str) -> int | None:
@@ -85,6 +95,7 @@ def cases(reference: dict, names) -> list[Case]:
     if name == convergence.BASE_OPTIMIZER:
       out.append(Case(name, best, "nearest"))
       out += [Case(name, e, r) for e in LOW_RATES if e != best for r in ROUNDINGS]
+      out += [Case(FLOAT32_MOMENTS, e, r) for e in (best, *LOW_RATES) for r in ROUNDINGS]
   return out
 
 
@@ -92,7 +103,7 @@ def float32_runs(reference: dict, case: Case) -> dict[int, dict]:
   """The float32-parameter runs of ``case``'s optimizer and rate in ``reference``, by seed."""
   return {
     r["seed"]: r
-    for r in convergence.runs_of(reference, SIZE, TASK, case.optimizer)
+    for r in convergence.runs_of(reference, SIZE, TASK, case.reference)
     if r["exponent"] == case.exponent and r["seed"] in SEEDS
   }
 
@@ -198,13 +209,24 @@ def load(path: pathlib.Path) -> dict:
   return results
 
 
+def float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` initialised and updated on float32 copies of the parameters and updates: its state in float32."""
+  up = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  return optax.GradientTransformation(
+    lambda params: tx.init(up(params)),
+    lambda updates, state, params=None: tx.update(up(updates), state, None if params is None else up(params)),
+  )
+
+
 def train_once(case: Case, seed: int, base_params) -> dict:
   """One run with bfloat16 parameters: its record for the results."""
   task = convergence.PROTOCOL[SIZE][TASK]
-  spec = optimizers.get(case.optimizer)
+  spec = optimizers.get(case.reference)
   config = convergence.SIZES[SIZE]
   peak = spec.default_learning_rate * task.lr_scale * 3.0**case.exponent
   tx = spec.build(learning_rate_schedule(peak, task.steps), config)
+  if case.optimizer == FLOAT32_MOMENTS:
+    tx = float32_moments(tx)
   if case.rounding == "stochastic":
     tx = optax_memopt.with_stochastic_rounding(tx, seed=seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)

@@ -119,9 +119,10 @@ def one_gpu_table(model: str = "llama3_8b", memory: str = "80GiB") -> str:
   ``v`` in bfloat16). Stochastic rounding's state (a key and a count,
   12 bytes) is left out.
   """
+  params = shapes.params(model, abstract=True)
   reports = {
     dtype: fit.report(
-      shapes.params(model, abstract=True),
+      params,
       memory=memory,
       param_dtype=dtype,
       n_heads=shapes.MODELS[model].n_heads,

@@ -117,3 +117,10 @@ def test_the_kernel_registers_table_is_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "kernel_registers.json").read_text())
   assert kernel_registers.render(results) in (ROOT / "docs" / "kernels.md").read_text()
+
+
+def test_the_readmes_one_gpu_table_is_what_fit_computes():
+  """ "Llama-3-8B on one 80 GB H100": parameters + gradients + state per optimizer, float32 and bfloat16, from fit."""
+  from benchmarks import memory
+
+  assert memory.one_gpu_table() in (ROOT / "README.md").read_text()
