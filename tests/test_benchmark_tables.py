@@ -124,3 +124,10 @@ def test_the_readmes_one_gpu_table_is_what_fit_computes():
   from benchmarks import memory
 
   assert memory.one_gpu_table() in (ROOT / "README.md").read_text()
+
+
+def test_the_training_step_table_is_rendered_from_the_results():
+  from benchmarks import train_step_compile
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "train_step_compile.json").read_text())
+  assert train_step_compile.render(results) in (ROOT / "docs" / "memory-planning.md").read_text()

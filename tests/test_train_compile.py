@@ -147,3 +147,16 @@ def test_the_planner_refuses_a_training_step_without_a_target(capsys):
   with pytest.raises(SystemExit):
     fit.main(["--model", "tiny", "--batch", "2"])
   assert "--batch" in capsys.readouterr().err
+
+
+def test_the_training_step_table_renders_each_row():
+  from benchmarks import train_step_compile
+
+  row = dict(model="llama3_8b", target="b200", param_dtype="bfloat16", optimizer="adamw_4bit", remat="full")
+  row |= dict(seq_len=2048, batch=4, params=16e9, gradients=16e9, state=8.5e9, activations=20e9, peak=61e9)
+  row |= dict(memory=191514050560, margin=0.1, fits=True)
+  table = train_step_compile.render({"jax": "0.10.2", "rows": [row]})
+  assert (
+    "| Llama-3-8B | B200 (191.5, 172.4) | bfloat16 | adamw_4bit | full | 4 x 2048 | 40.5 | 20.0 | 61.0 | yes |" in table
+  )
+  assert "No training step" in train_step_compile.render({"jax": "0.10.2", "rows": []})
