@@ -1,7 +1,8 @@
 """An optimizer step compiled for an NVIDIA H100 on any machine, and what it costs there.
 
 XLA compiles a program for a GPU that is not present from a description of
-it (``gpu_targets/h100.pbtxt``: 132 SMs, 3.35 TB/s, 80 GB). Nothing runs;
+it (``gpu_targets/h100.pbtxt``: 132 SMs, 3.35 TB/s, 80 GB; beside it the
+H200's and the Blackwell B200's, :data:`TARGETS`). Nothing runs;
 the result is XLA:GPU's own optimized program (fusions, schedule, buffer
 assignment, Pallas kernels compiled through ptxas). An optimizer step is
 memory-bound, so two figures of that program say what a user gets:
