@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.error(f"--batch: must be >= 1; got {args.batch}")
   if args.largest_batch and args.batch < 2:
     parser.error(f"--batch: must be >= 2 with --largest-batch; got {args.batch}")
-  if args.seq_len < 1 or args.seq_len > MODELS[args.model].max_len:
+  if args.batch is not None and not 1 <= args.seq_len <= MODELS[args.model].max_len:
     parser.error(f"--seq-len: must be in [1, {MODELS[args.model].max_len}] for {args.model}; got {args.seq_len}")
   if args.margin is not None and not 0 <= args.margin < 1:
     parser.error(f"--margin: must be in [0, 1); got {args.margin}")
