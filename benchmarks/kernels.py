@@ -1,4 +1,10 @@
-"""Every Pallas kernel against its XLA implementation: same answer, and how fast.
+"""MicroAdam's kernels against their XLA paths: same answer, and how fast.
+
+The two kernels MicroAdam's step runs on a Hopper GPU by default, at its
+defaults (4-bit error feedback in buckets of 1024, top-k blocks of 16384 at
+density 0.01): ``feedback_topk`` (Triton: the gradient plus the decoded
+error, its block top-k) and ``quantize.requantize_unselected`` (Mosaic GPU:
+the error feedback with the selection zeroed, re-encoded in place).
 
 On a GPU this is the readiness check: each op runs with
 ``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
@@ -25,12 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import quantize
+from pallas_kernels import feedback_topk, quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
 
+# MicroAdam's defaults (optax_memopt/microadam.py).
+BITS = 4
 BUCKET = 1024
+BLOCK = 16384
+DENSITY = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,33 +55,62 @@ def _normal(key, size, dtype=jnp.float32):
   return (jax.random.normal(key, (size,), jnp.float32) * 0.01).astype(dtype)
 
 
+def _error_and_gradient(key, n):
+  """A quantized error feedback and a float32 gradient of ``n`` elements."""
+  error = quantize.quantize(_normal(key, n), bits=BITS, bucket_size=BUCKET, stats_dtype=jnp.bfloat16)
+  return error, _normal(jax.random.fold_in(key, 1), n)
+
+
+def _selection_bytes(n: int) -> int:
+  """The selection's int16 indices and float32 values."""
+  return 6 * topk.selection_size(n, density=DENSITY, block_size=BLOCK)
+
+
+def _statistics_bytes(n: int) -> int:
+  """Each bucket's bfloat16 minimum and maximum."""
+  return 4 * quantize.num_buckets(n, BUCKET)
+
+
+def _select(q, y, implementation):
+  return feedback_topk.feedback_topk(
+    q, y, density=DENSITY, block_size=BLOCK, bits=BITS, bucket_size=BUCKET, implementation=implementation
+  )
+
+
+def _with_selection(key, n):
+  q, y = _error_and_gradient(key, n)
+  return (q, y, *_select(q, y, "xla"))
+
+
 def _cases() -> list[KernelCase]:
-  cases = []
-  for bits in quantize.SUPPORTED_BITS:
-    cases += [
-      KernelCase(
-        f"quantize {bits}-bit",
-        lambda key, n: (_normal(key, n),),
-        lambda x, implementation, bits=bits: quantize.quantize(
-          x, bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation=implementation
-        ),
-        lambda n, bits=bits: 4 * n + n * bits // 8,
+  codes = lambda n: n * BITS // 8
+  return [
+    KernelCase(
+      "feedback_topk",
+      _error_and_gradient,
+      _select,
+      # Reads the gradient, the codes and statistics; writes the selection.
+      lambda n: 4 * n + codes(n) + _statistics_bytes(n) + _selection_bytes(n),
+    ),
+    KernelCase(
+      "requantize_unselected",
+      _with_selection,
+      lambda q, y, indices, values, implementation: quantize.requantize_unselected(
+        q,
+        y,
+        indices,
+        values,
+        density=DENSITY,
+        block_size=BLOCK,
+        bits=BITS,
+        bucket_size=BUCKET,
+        stats_dtype=jnp.bfloat16,
+        implementation=implementation,
       ),
-      KernelCase(
-        f"dequantize_add {bits}-bit",
-        lambda key, n, bits=bits: (
-          quantize.quantize(
-            _normal(key, n), bits=bits, bucket_size=BUCKET, stats_dtype=jnp.bfloat16, implementation="xla"
-          ),
-          _normal(jax.random.fold_in(key, 1), n),
-        ),
-        lambda q, y, implementation, bits=bits: quantize.dequantize_add(
-          q, y, bits=bits, bucket_size=BUCKET, implementation=implementation
-        ),
-        lambda n, bits=bits: 8 * n + n * bits // 8,
-      ),
-    ]
-  return cases
+      # Reads the gradient, the selection, the codes and statistics; writes new codes and statistics.
+      lambda n: 4 * n + _selection_bytes(n) + 2 * (codes(n) + _statistics_bytes(n)),
+    ),
+  ]
 
 
 def _time(fn, inputs, repeats: int) -> float:

@@ -1,6 +1,6 @@
-"""Which implementation of an op runs: the switch every op and optimizer takes.
+"""Which implementation of an op runs: the switch every op with a kernel, and every optimizer, takes.
 
-Every op of ``pallas_kernels`` takes ``implementation=``:
+Every op of ``pallas_kernels`` with a kernel takes ``implementation=``:
 
 * ``None``: the op's default for the platform the program is lowered for,
   from :data:`FASTER_ON_HOPPER`: the Pallas kernel in a program lowered for a
@@ -36,15 +36,12 @@ a GPU at today's code (``benchmarks/README.md``, "On an H200", is stale).
   default off Hopper. Mosaic GPU kernel, the default on Hopper: it writes no
   float32 error and rewrites the codes in place; fewer bytes and
   temporaries in MicroAdam's H100 compile (commits 94a48ae, 0781d17).
-* ``quantize.quantize``. XLA path: ``requantize_unselected``'s. Mosaic GPU
-  kernel: timed faster than XLA alone on an H200 (an earlier version), but
-  reached by no optimizer, since the library calls ``quantize`` only from
-  ``requantize_unselected``'s XLA path: to be deleted (issue 42).
-* ``quantize.dequantize`` and ``dequantize_add``. XLA path: the default
-  everywhere (XLA fuses the decoding into its readers, which moves fewer
-  bytes than the kernel writing it out: MicroAdam's H100 compile, commit
-  12570ed). Mosaic GPU kernel: the default nowhere and reached by no
-  optimizer: to be deleted (issue 42).
+* ``quantize.quantize``, ``dequantize`` and ``dequantize_add``: an XLA
+  path and no kernel, not switched here. XLA fuses the decoding into its
+  readers, which moves fewer bytes than a kernel writing it out
+  (MicroAdam's H100 compile, commit 12570ed), and the library quantizes
+  only in ``requantize_unselected``'s XLA path. Their Mosaic GPU kernels,
+  the default nowhere or reached by no optimizer, are deleted.
 * ``column_select`` (TACO's heavy hitters). XLA path: the default off
   Hopper. Mosaic GPU kernel, the default on Hopper: timed faster than XLA
   for TACO's one-segment step on an H200 (an earlier version); the
@@ -77,13 +74,8 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 # kernels (MicroAdam's, TACO's) moves fewer bytes with them than on XLA
 # alone, as in the H100 compile.
 FASTER_ON_HOPPER: dict[str, bool] = {
-  # Timed alone on an H200; reached by no optimizer.
-  "quantize": True,
   # MicroAdam's error feedback re-encoded without writing it in float32.
   "requantize_unselected": True,
-  # Decoding fused by XLA into its readers moves fewer bytes than the
-  # kernel writing the decoded values out (MicroAdam's step, H100 compile).
-  "dequantize": False,
   # TACO's one-segment step, timed on an H200.
   "column_select": True,
   # MicroAdam's selection reading the gradient and the error codes once, where

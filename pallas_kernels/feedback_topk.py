@@ -135,9 +135,7 @@ def _pallas_full_blocks(q, flat, *, full_blocks, k, block_size, bits, bucket_siz
 def _feedback_topk(q, y, *, density, block_size, bits, bucket_size, implementation):
   flat = y.reshape(-1)
   if implementation == "xla" or flat.size == 0:
-    accumulated = quantize.dequantize_add(
-      q, flat.astype(jnp.float32), bits=bits, bucket_size=bucket_size, implementation="xla"
-    )
+    accumulated = quantize.dequantize_add(q, flat.astype(jnp.float32), bits=bits, bucket_size=bucket_size)
     return topk.block_topk(accumulated, density=density, block_size=block_size)
   full_blocks, tail = divmod(flat.size, block_size)
   indices, values = [], []

@@ -1,4 +1,4 @@
-r"""Blockwise min/max quantization: asymmetric 4-bit and 8-bit codes, with Mosaic GPU kernels.
+r"""Blockwise min/max quantization: asymmetric 4-bit and 8-bit codes, and MicroAdam's error feedback re-encoded.
 
 The flattened input is cut into buckets of ``bucket_size`` consecutive
 elements (the last one may be shorter). Each bucket keeps its ``min`` and
@@ -26,21 +26,23 @@ code), so ``size`` codes take exactly ``ceil(size * bits / 8)`` bytes.
 The division by the step is a multiplication by its reciprocal, computed once
 per bucket, and the step is a multiplication by a float32 constant: XLA turns
 divisions by a broadcast value into such multiplications anyway, so writing
-them out keeps XLA, the interpreter and the GPU kernels bit-identical in codes.
+them out keeps XLA, the interpreter and the GPU kernel bit-identical in codes.
 
 ``bucket_size`` is a positive multiple of 256, so that a bucket is whole
-kernel rows, or 32, 64 or 128, so that buckets tile a 128-element plane.
+packed rows, or 32, 64 or 128, so that buckets tile a 128-element plane.
 
-Kernels (Mosaic GPU, ``plgpu.kernel``): one program per bucket when a bucket
-spans whole rows of 256 elements (statistics, codes and packing fused: two
-passes over the bucket's rows), or per block of ``_SMALL_BUCKET_ROWS`` rows
-when several buckets share a row; and one for decoding, optionally fused with
-an addition (``y + dequantize(q)``, as MicroAdam adds its error feedback to
-the gradient). The wrappers pad the input to whole programs by repeating its
-last element (which keeps the last bucket's statistics) and repack a short
-last row with the packing module's tail rule, so every implementation gives
-the same bytes; that padding and repacking are XLA copies outside the kernels
-when the size is not a whole number of programs or rows.
+``quantize``, ``dequantize`` and ``dequantize_add`` are XLA only: XLA fuses
+the decoding into its readers (``pallas_kernels/dispatch.py`` says why no
+kernel is kept). ``requantize_unselected`` (MicroAdam's error feedback:
+``y + dequantize(q)`` with its top-k selection zeroed, re-encoded) has a
+Mosaic GPU kernel (``plgpu.kernel``) beside its XLA path: one program per
+bucket of whole 256-element rows, which decodes and zeroes in each of its
+two passes over the bucket (statistics, then codes and packing) and
+rewrites the codes in place. Its wrapper pads the input to whole buckets
+(the padding masked out of the statistics) and repacks a short last row
+with the packing module's tail rule, so both paths give the same bytes;
+that padding and repacking are XLA copies outside the kernel when the size
+is not a whole number of buckets or rows.
 
 References:
   Modoranu et al., `MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -51,7 +53,6 @@ References:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -66,11 +67,8 @@ SUPPORTED_BITS = (4, 8)
 # Elements per kernel row: two planes of ``packing.PLANE_WIDTH``, which is one
 # packed 4-bit row or two packed 8-bit rows.
 ROW = 2 * packing.PLANE_WIDTH
-# Bucket sizes below a row: segments of a 128-element half row, selected by
-# masks (Mosaic GPU slices only multiples of 128 elements).
+# Bucket sizes below a row: segments of a 128-element plane.
 SMALL_BUCKET_SIZES = (32, 64, 128)
-# Rows of 256 elements one program handles when buckets are smaller than a row.
-_SMALL_BUCKET_ROWS = 8
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _STATS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _SMALLEST_NORMAL_STEP = float(np.finfo(np.float32).tiny)
@@ -329,15 +327,15 @@ def _decode_xla(q: QuantizedArray, *, size: int, bits: int, bucket_size: int) ->
   return _decode(codes, minimum, step).reshape(-1)[:size]
 
 
-# -- Mosaic GPU kernels ---------------------------------------------------------
+# -- requantize_unselected's Mosaic GPU kernel --------------------------------
 
 
 class _Blocks(NamedTuple):
-  """How the kernels cut a flat array: ``count`` programs of ``rows`` rows of ``ROW``."""
+  """How the kernel cuts a flat array: ``count`` programs (buckets) of ``rows`` rows of ``ROW``."""
 
   count: int
   rows: int
-  stats_shape: tuple[int, int, int]  # (count, rows or 1, buckets per row or 1)
+  stats_shape: tuple[int, int, int]  # (count, 1, 1): one minimum and maximum per program.
 
   @property
   def elements(self) -> int:
@@ -345,24 +343,13 @@ class _Blocks(NamedTuple):
 
 
 def _blocks(size: int, bucket_size: int) -> _Blocks:
-  if bucket_size >= ROW:
-    rows = bucket_size // ROW
-    count = -(-size // bucket_size)
-    return _Blocks(count, rows, (count, 1, 1))
-  count = -(-size // (_SMALL_BUCKET_ROWS * ROW))
-  return _Blocks(count, _SMALL_BUCKET_ROWS, (count, _SMALL_BUCKET_ROWS, ROW // bucket_size))
+  """One program per bucket; ``bucket_size`` is a multiple of ``ROW``."""
+  count = -(-size // bucket_size)
+  return _Blocks(count, bucket_size // ROW, (count, 1, 1))
 
 
 def _half(h: int) -> pl.Slice:
   return pl.ds(h * packing.PLANE_WIDTH, packing.PLANE_WIDTH)
-
-
-def _by_segment(segment: jax.Array, per_segment: list[jax.Array]) -> jax.Array:
-  """Spreads one scalar per segment over the lanes of a half row."""
-  spread = per_segment[-1]
-  for s in reversed(range(len(per_segment) - 1)):
-    spread = jnp.where(segment == s, per_segment[s], spread)
-  return spread
 
 
 def _store_codes(codes_ref: Any, b: jax.Array, r: jax.Array, half_codes: list[jax.Array], bits: int) -> None:
@@ -379,96 +366,6 @@ def _load_codes(codes_ref: Any, b: jax.Array, r: jax.Array, bits: int) -> list[j
   for group in range(2 // planes):
     half_codes += packing.split_planes(codes_ref[b, r, _half(group)], 2**bits, planes)
   return half_codes
-
-
-def _quantize_kernel(*refs: Any, bits: int, bucket_size: int, rows: int, stats_dtype: np.dtype) -> None:
-  """One program: a bucket of ``rows`` rows, or ``rows`` rows of small buckets.
-
-  refs: x ``[blocks, rows, ROW]``, lanes ``[128]`` (small buckets only), then
-  the outputs codes ``[blocks, rows, ROW * bits / 8]``, minimum and maximum.
-  """
-  b = lax.axis_index(_GRID_AXIS)
-  if bucket_size >= ROW:
-    x_ref, codes_ref, min_ref, max_ref = refs
-    first = x_ref[b, 0].astype(jnp.float32)
-
-    def widen(r, bounds):
-      row = x_ref[b, r].astype(jnp.float32)
-      return jnp.minimum(bounds[0], row), jnp.maximum(bounds[1], row)
-
-    # Elementwise bounds over the rows, then one reduction per bucket.
-    lowest, highest = lax.fori_loop(1, rows, widen, (first, first))
-    minimum, inverse_step = _store_bucket_statistics(lowest, highest, min_ref, max_ref, b, stats_dtype, bits)
-
-    def write_row(r, carry):
-      halves = [x_ref[b, r, _half(h)].astype(jnp.float32) for h in range(2)]
-      _store_codes(codes_ref, b, r, [_encode(v, minimum, inverse_step, bits) for v in halves], bits)
-      return carry
-
-  else:
-    x_ref, lanes_ref, codes_ref, min_ref, max_ref = refs
-    segment = lanes_ref[...] // bucket_size
-    per_half = packing.PLANE_WIDTH // bucket_size
-
-    def write_row(r, carry):
-      half_codes = []
-      for h in range(2):
-        values = x_ref[b, r, _half(h)].astype(jnp.float32)
-        lower = _round_outward(values, stats_dtype, upward=False)
-        upper = _round_outward(values, stats_dtype, upward=True)
-        minima, inverse_steps = [], []
-        for s in range(per_half):
-          in_segment = segment == s
-          minimum = jnp.min(jnp.where(in_segment, lower, jnp.inf))
-          maximum = jnp.max(jnp.where(in_segment, upper, -jnp.inf))
-          min_ref[b, r, h * per_half + s] = minimum.astype(stats_dtype)
-          max_ref[b, r, h * per_half + s] = maximum.astype(stats_dtype)
-          minima.append(minimum)
-          inverse_steps.append(_inverse_step(_step(minimum, maximum, bits)))
-        half_codes.append(_encode(values, _by_segment(segment, minima), _by_segment(segment, inverse_steps), bits))
-      _store_codes(codes_ref, b, r, half_codes, bits)
-      return carry
-
-  lax.fori_loop(0, rows, write_row, 0)
-
-
-def _decode_kernel(*refs: Any, bits: int, bucket_size: int, rows: int, add: bool) -> None:
-  """One program decodes the rows of one block, adding ``y`` when ``add``.
-
-  refs: codes ``[blocks, rows, ROW * bits / 8]``, minimum, maximum, lanes
-  ``[128]`` (small buckets only), y ``[blocks, rows, ROW]`` (when ``add``),
-  then the output ``[blocks, rows, ROW]``.
-  """
-  codes_ref, min_ref, max_ref, *refs = refs
-  lanes_ref = refs.pop(0) if bucket_size < ROW else None
-  y_ref = refs.pop(0) if add else None
-  (out_ref,) = refs
-  b = lax.axis_index(_GRID_AXIS)
-  if bucket_size < ROW:
-    segment = lanes_ref[...] // bucket_size
-    per_half = packing.PLANE_WIDTH // bucket_size
-
-  def stats(r, h):
-    """Minimum and step for the lanes of half ``h`` of row ``r``."""
-    if bucket_size >= ROW:
-      minimum = min_ref[b, 0, 0].astype(jnp.float32)
-      return minimum, _step(minimum, max_ref[b, 0, 0].astype(jnp.float32), bits)
-    minima, steps = [], []
-    for s in range(per_half):
-      minimum = min_ref[b, r, h * per_half + s].astype(jnp.float32)
-      minima.append(minimum)
-      steps.append(_step(minimum, max_ref[b, r, h * per_half + s].astype(jnp.float32), bits))
-    return _by_segment(segment, minima), _by_segment(segment, steps)
-
-  def write_row(r, carry):
-    for h, codes in enumerate(_load_codes(codes_ref, b, r, bits)):
-      decoded = _decode(codes, *stats(r, h))
-      if add:
-        decoded = y_ref[b, r, _half(h)].astype(jnp.float32) + decoded
-      out_ref[b, r, _half(h)] = decoded.astype(out_ref.dtype)
-    return carry
-
-  lax.fori_loop(0, rows, write_row, 0)
 
 
 def _requantize_kernel(
@@ -535,17 +432,6 @@ def _requantize_kernel(
   lax.fori_loop(0, rows, write_row, 0)
 
 
-def _lanes(bucket_size: int) -> tuple[jax.Array, ...]:
-  """Lane indices of a half row, for kernels that split it into buckets.
-
-  An input rather than an iota: Mosaic GPU cannot infer an iota's layout on
-  JAX 0.10, and its interpreter does not run ``layout_cast``.
-  """
-  if bucket_size >= ROW:
-    return ()
-  return (jnp.arange(packing.PLANE_WIDTH, dtype=jnp.int32),)
-
-
 def _kernel_rows_to_packed(row_bytes: jax.Array, size: int, bits: int) -> jax.Array:
   """Kernel bytes (every row full) to ``packing.pack``'s layout of ``size`` codes.
 
@@ -572,66 +458,6 @@ def _packed_to_kernel_rows(codes: jax.Array, size: int, bits: int, n_bytes: int)
     parts.append(packing.pack(jnp.pad(last, (0, codes_per_row - tail)), **_packing_args(bits)))
   row_bytes = jnp.concatenate(parts)
   return jnp.pad(row_bytes, (0, n_bytes - row_bytes.size))
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "bucket_size", "stats_dtype", "interpret"))
-def _quantize_pallas(
-  x: jax.Array, *, bits: int, bucket_size: int, stats_dtype: np.dtype, interpret: bool
-) -> QuantizedArray:
-  size = x.size
-  blocks = _blocks(size, bucket_size)
-  # Repeating the last element keeps the last bucket's min and max; the codes
-  # of the padding are dropped.
-  rows = jnp.pad(x.reshape(-1), (0, blocks.elements - size), mode="edge")
-  rows = rows.reshape(blocks.count, blocks.rows, ROW)
-  stats_type = jax.ShapeDtypeStruct(blocks.stats_shape, stats_dtype)
-  kernel = _backend.mosaic_gpu_kernel(
-    functools.partial(_quantize_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, stats_dtype=stats_dtype),
-    out_type=(
-      jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW * bits // 8), jnp.uint8),
-      stats_type,
-      stats_type,
-    ),
-    grid=(blocks.count,),
-    grid_names=(_GRID_AXIS,),
-    interpret=interpret,
-  )
-  codes, minimum, maximum = kernel(rows, *_lanes(bucket_size))
-  n_buckets = num_buckets(size, bucket_size)
-  return QuantizedArray(
-    _kernel_rows_to_packed(codes.reshape(-1), size, bits),
-    minimum.reshape(-1)[:n_buckets],
-    maximum.reshape(-1)[:n_buckets],
-  )
-
-
-@functools.partial(jax.jit, static_argnames=("size", "bits", "bucket_size", "dtype", "interpret"))
-def _decode_pallas(
-  q: QuantizedArray,
-  y: jax.Array | None,
-  *,
-  size: int,
-  bits: int,
-  bucket_size: int,
-  dtype: np.dtype,
-  interpret: bool,
-) -> jax.Array:
-  blocks = _blocks(size, bucket_size)
-  codes = _packed_to_kernel_rows(q.codes, size, bits, blocks.elements * bits // 8)
-  codes = codes.reshape(blocks.count, blocks.rows, ROW * bits // 8)
-  n_stats = math.prod(blocks.stats_shape)
-  minimum, maximum = (jnp.pad(s, (0, n_stats - s.size)).reshape(blocks.stats_shape) for s in (q.minimum, q.maximum))
-  addend = ()
-  if y is not None:
-    addend = (jnp.pad(y.reshape(-1), (0, blocks.elements - size)).reshape(blocks.count, blocks.rows, ROW),)
-  kernel = _backend.mosaic_gpu_kernel(
-    functools.partial(_decode_kernel, bits=bits, bucket_size=bucket_size, rows=blocks.rows, add=y is not None),
-    out_type=jax.ShapeDtypeStruct((blocks.count, blocks.rows, ROW), dtype),
-    grid=(blocks.count,),
-    grid_names=(_GRID_AXIS,),
-    interpret=interpret,
-  )
-  return kernel(codes, minimum, maximum, *_lanes(bucket_size), *addend).reshape(-1)[:size]
 
 
 @functools.partial(
@@ -682,6 +508,8 @@ def _requantize_pallas(
     codes,
     minimum,
     maximum,
+    # Lane indices as an input rather than an iota: Mosaic GPU cannot infer an
+    # iota's layout on JAX 0.10, and its interpreter does not run layout_cast.
     jnp.arange(packing.PLANE_WIDTH, dtype=jnp.int32),
     rows,
     *(x.reshape(blocks.stats_shape) for x in per_bucket),
@@ -700,7 +528,6 @@ def quantize(
   bits: int = 4,
   bucket_size: int,
   stats_dtype: Any = jnp.float32,
-  implementation: dispatch.Implementation = None,
 ) -> QuantizedArray:
   r"""Quantizes ``x`` (flattened) to ``bits``-bit codes per bucket of ``bucket_size``.
 
@@ -718,9 +545,6 @@ def quantize(
     bucket_size: elements per bucket: a positive multiple of 256, or 32, 64
       or 128. The last bucket may be shorter.
     stats_dtype: dtype of the stored minimum and maximum: float32 or bfloat16.
-    implementation: None (Pallas on a Hopper-or-newer GPU, else XLA),
-      ``"xla"``, ``"pallas"`` or ``"interpret"`` (the Pallas kernel in the
-      Mosaic GPU interpreter, for tests).
 
   Returns:
     A ``QuantizedArray``: ``codes`` (uint8, ``ceil(x.size * bits / 8)``
@@ -728,8 +552,8 @@ def quantize(
     ``maximum`` (``num_buckets(x.size, bucket_size)`` each, ``stats_dtype``).
 
   Raises:
-    ValueError: for an unsupported ``bits``, ``bucket_size``, ``x`` dtype,
-      ``stats_dtype`` or ``implementation``.
+    ValueError: for an unsupported ``bits``, ``bucket_size``, ``x`` dtype or
+      ``stats_dtype``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -750,22 +574,9 @@ def quantize(
   _check_bucket_size(bucket_size)
   _check_dtype("x", x.dtype, _INPUT_DTYPES)
   stats_dtype = _check_dtype("stats_dtype", stats_dtype, _STATS_DTYPES)
-  dispatch.check(implementation)
   if x.size == 0:
     return QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype))
-
-  def path(resolved: str) -> QuantizedArray:
-    if resolved == "xla":
-      return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
-    return _quantize_pallas(
-      x,
-      bits=bits,
-      bucket_size=bucket_size,
-      stats_dtype=stats_dtype,
-      interpret=resolved == "interpret",
-    )
-
-  return dispatch.run("quantize", implementation, path)
+  return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
 
 
 def _check_quantized(q: Any, size: int, bits: int, bucket_size: int) -> None:
@@ -806,31 +617,15 @@ def _dequantize_flat(
   bits: int,
   bucket_size: int,
   dtype: np.dtype,
-  implementation: dispatch.Implementation,
 ) -> jax.Array:
   """``y + decoded`` (or ``decoded``) as a flat ``dtype`` array, float32 math."""
   check_quantized(q, size=size, bits=bits, bucket_size=bucket_size)
-  dispatch.check(implementation)
   if size == 0:
     return jnp.zeros((0,), dtype)
-
-  def path(resolved: str) -> jax.Array:
-    if resolved == "xla":
-      decoded = _decode_xla(q, size=size, bits=bits, bucket_size=bucket_size)
-      if y is not None:
-        decoded = y.reshape(-1).astype(jnp.float32) + decoded
-      return decoded.astype(dtype)
-    return _decode_pallas(
-      q,
-      y,
-      size=size,
-      bits=bits,
-      bucket_size=bucket_size,
-      dtype=dtype,
-      interpret=resolved == "interpret",
-    )
-
-  return dispatch.run("dequantize", implementation, path)
+  decoded = _decode_xla(q, size=size, bits=bits, bucket_size=bucket_size)
+  if y is not None:
+    decoded = y.reshape(-1).astype(jnp.float32) + decoded
+  return decoded.astype(dtype)
 
 
 def dequantize(
@@ -840,7 +635,6 @@ def dequantize(
   bits: int = 4,
   bucket_size: int,
   dtype: Any = jnp.float32,
-  implementation: dispatch.Implementation = None,
 ) -> jax.Array:
   r"""Decodes ``q`` into a flat array of ``size`` elements.
 
@@ -857,15 +651,13 @@ def dequantize(
     bits: the ``bits`` passed to ``quantize``.
     bucket_size: the ``bucket_size`` passed to ``quantize``.
     dtype: output dtype: bfloat16, float16 or float32.
-    implementation: None, ``"xla"``, ``"pallas"`` or ``"interpret"`` (see
-      ``quantize``).
 
   Returns:
     The decoded values, shape ``(size,)``, dtype ``dtype``.
 
   Raises:
-    ValueError: for an unsupported ``bits``, ``size``, ``bucket_size``,
-      ``dtype`` or ``implementation``, or a ``q`` of other shapes.
+    ValueError: for an unsupported ``bits``, ``size``, ``bucket_size`` or
+      ``dtype``, or a ``q`` of other shapes.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -875,9 +667,7 @@ def dequantize(
     Array([0.25, 0.25, 0.25], dtype=float32)
   """
   dtype = _check_dtype("dtype", dtype, _INPUT_DTYPES)
-  return _dequantize_flat(
-    q, None, size=size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
-  )
+  return _dequantize_flat(q, None, size=size, bits=bits, bucket_size=bucket_size, dtype=dtype)
 
 
 def dequantize_add(
@@ -886,9 +676,8 @@ def dequantize_add(
   *,
   bits: int = 4,
   bucket_size: int,
-  implementation: dispatch.Implementation = None,
 ) -> jax.Array:
-  """``y + dequantize(q)``, fused: one pass reads codes and ``y``, writes the sum.
+  """``y + dequantize(q)``: XLA fuses the decoding into the addition (and into the sum's readers).
 
   The sum is computed in float32 and returned in ``y``'s shape and dtype
   (MicroAdam adds its error feedback to the gradient this way).
@@ -898,15 +687,13 @@ def dequantize_add(
     y: a float array (bfloat16, float16 or float32) of any shape.
     bits: the ``bits`` passed to ``quantize``.
     bucket_size: the ``bucket_size`` passed to ``quantize``.
-    implementation: None, ``"xla"``, ``"pallas"`` or ``"interpret"`` (see
-      ``quantize``).
 
   Returns:
     ``(y.astype(float32) + dequantize(q).reshape(y.shape)).astype(y.dtype)``.
 
   Raises:
-    ValueError: for an unsupported ``bits``, ``bucket_size``, ``y`` dtype or
-      ``implementation``, or a ``q`` of other shapes.
+    ValueError: for an unsupported ``bits``, ``bucket_size`` or ``y`` dtype,
+      or a ``q`` of other shapes.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -918,9 +705,7 @@ def dequantize_add(
   """
   y = jnp.asarray(y)
   dtype = _check_dtype("y", y.dtype, _INPUT_DTYPES)
-  flat = _dequantize_flat(
-    q, y, size=y.size, bits=bits, bucket_size=bucket_size, dtype=dtype, implementation=implementation
-  )
+  flat = _dequantize_flat(q, y, size=y.size, bits=bits, bucket_size=bucket_size, dtype=dtype)
   return flat.reshape(y.shape)
 
 
@@ -966,8 +751,9 @@ def requantize_unselected(
     bits: 4 or 8, as ``q`` was quantized and the result will be.
     bucket_size: elements per bucket of ``q`` and of the result.
     stats_dtype: dtype of the result's minimum and maximum.
-    implementation: None, ``"xla"``, ``"pallas"`` or ``"interpret"`` (see
-      ``quantize``).
+    implementation: None (``pallas_kernels.dispatch``: the kernel on a
+      Hopper-or-newer GPU, else XLA), ``"xla"``, ``"pallas"`` or
+      ``"interpret"`` (the kernel in the Mosaic GPU interpreter, for tests).
 
   Returns:
     ``quantize(topk.zero_selected(dequantize_add(q, y as float32), indices,
@@ -1007,9 +793,9 @@ def requantize_unselected(
 
   def path(resolved: str) -> QuantizedArray:
     if resolved == "xla":
-      x = dequantize_add(q, y.reshape(-1).astype(jnp.float32), bits=bits, bucket_size=bucket_size, implementation="xla")
+      x = dequantize_add(q, y.reshape(-1).astype(jnp.float32), bits=bits, bucket_size=bucket_size)
       x = topk.zero_selected(x, indices, values, density=density, block_size=block_size)
-      return quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
+      return quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
     return _requantize_pallas(
       q,
       y,
@@ -1027,50 +813,11 @@ def requantize_unselected(
 
 
 def lowering_examples() -> list[_backend.LoweringExample]:
-  """Each kernel at 4 and 8 bits, with buckets spanning rows and within a row.
-
-  Sizes leave a short last row and bucket, so the tail handling is lowered too.
-  """
-  examples = []
-  shape = (3, 700)
-  size = math.prod(shape)
-  for bits in SUPPORTED_BITS:
-    for bucket_size in (64, 512):
-      stats = jax.ShapeDtypeStruct((num_buckets(size, bucket_size),), jnp.bfloat16)
-      q = QuantizedArray(jax.ShapeDtypeStruct((packing.packed_size(size, 8 // bits),), jnp.uint8), stats, stats)
-      x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-      suffix = f"{bits}bit_bucket{bucket_size}"
-      examples += [
-        _backend.LoweringExample(
-          f"quantize_{suffix}",
-          _backend.MOSAIC_GPU_CALL,
-          functools.partial(
-            quantize,
-            bits=bits,
-            bucket_size=bucket_size,
-            stats_dtype=jnp.bfloat16,
-            implementation="pallas",
-          ),
-          (x,),
-        ),
-        _backend.LoweringExample(
-          f"dequantize_{suffix}",
-          _backend.MOSAIC_GPU_CALL,
-          functools.partial(dequantize, size=size, bits=bits, bucket_size=bucket_size, implementation="pallas"),
-          (q,),
-        ),
-        _backend.LoweringExample(
-          f"dequantize_add_{suffix}",
-          _backend.MOSAIC_GPU_CALL,
-          functools.partial(dequantize_add, bits=bits, bucket_size=bucket_size, implementation="pallas"),
-          (q, x),
-        ),
-      ]
-  # MicroAdam's error feedback at its defaults, with a short top-k block and bucket.
+  """``requantize_unselected``'s kernel at MicroAdam's defaults, with a short top-k block and bucket."""
   size = 2 * 16384 + 1000
   kept = topk.selection_size(size, density=0.01, block_size=16384)
   stats = jax.ShapeDtypeStruct((num_buckets(size, 1024),), jnp.bfloat16)
-  examples.append(
+  return [
     _backend.LoweringExample(
       "requantize_unselected_4bit_bucket1024",
       _backend.MOSAIC_GPU_CALL,
@@ -1090,5 +837,4 @@ def lowering_examples() -> list[_backend.LoweringExample]:
         jax.ShapeDtypeStruct((kept,), jnp.float32),
       ),
     )
-  )
-  return examples
+  ]

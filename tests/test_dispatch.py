@@ -30,7 +30,7 @@ def _constant_returned(text):
 @pytest.mark.parametrize("bad", ["cuda", "Pallas", 1, ""])
 def test_unknown_implementation_is_refused_by_name(bad):
   with pytest.raises(ValueError, match=r"implementation must be one of None, 'xla', 'pallas' or 'interpret'"):
-    dispatch.run("quantize", bad, _path)
+    dispatch.run("requantize_unselected", bad, _path)
 
 
 @pytest.mark.parametrize("op", sorted(dispatch.FASTER_ON_HOPPER))
@@ -82,12 +82,16 @@ def test_a_kernel_that_cannot_take_the_arguments_raises_when_named_and_is_skippe
   reason = "block_size must be a multiple of 256 for the Pallas kernel; got 100."
   for named in ("pallas", "interpret"):
     with pytest.raises(ValueError, match="multiple of 256"):
-      dispatch.run("quantize", named, _path, unsupported=reason)
+      dispatch.run("requantize_unselected", named, _path, unsupported=reason)
   assert (
-    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", None, _path, unsupported=reason)))
+    _constant_returned(
+      _backend.lower_for_cuda(lambda: dispatch.run("requantize_unselected", None, _path, unsupported=reason))
+    )
     == "xla"
   )
   assert (
-    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("quantize", "xla", _path, unsupported=reason)))
+    _constant_returned(
+      _backend.lower_for_cuda(lambda: dispatch.run("requantize_unselected", "xla", _path, unsupported=reason))
+    )
     == "xla"
   )

@@ -1,7 +1,7 @@
-"""Blockwise 4-bit and 8-bit quantization: the XLA reference against a numpy
-re-derivation of the documented formulas, the half-step bound as a property,
-the planar byte layout, and the Mosaic GPU kernels (in the GPU interpreter)
-against the XLA reference."""
+"""Blockwise 4-bit and 8-bit quantization: the XLA path and the plain reference
+against a numpy re-derivation of the documented formulas, the half-step bound
+as a property, the planar byte layout, and ``requantize_unselected``'s Mosaic
+GPU kernel (in the GPU interpreter) against its XLA path and the references."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def draw_input(shape, dtype, bucket_size: int, seed: int) -> jax.Array:
 # (shape, x dtype, bits, bucket_size, stats dtype, dequantize dtype): short last
 # rows and buckets at both widths, odd lengths, buckets within a row (32, 64,
 # 128) and spanning rows, a size that is whole buckets, each input dtype.
-KERNEL_CASES = [
+CASES = [
   ((1000,), jnp.float32, 4, 256, jnp.float32, jnp.float32),
   ((3, 700), jnp.bfloat16, 8, 64, jnp.bfloat16, jnp.bfloat16),
   ((517,), jnp.float32, 4, 32, jnp.bfloat16, jnp.float32),
@@ -104,22 +104,19 @@ def close_within_rounding(actual, expected, dtype, message: str):
   np.testing.assert_allclose(actual, expected, rtol=eps, atol=eps * scale, err_msg=message)
 
 
-@pytest.mark.parametrize("shape,dtype,bits,bucket_size,stats_dtype,out_dtype", KERNEL_CASES)
-def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtype, out_dtype, seed):
+@pytest.mark.parametrize("shape,dtype,bits,bucket_size,stats_dtype,out_dtype", CASES)
+def test_quantize_and_dequantize_match_numpy_and_the_reference(
+  shape, dtype, bits, bucket_size, stats_dtype, out_dtype, seed
+):
   message = f"seed={seed}"
   x = draw_input(shape, dtype, bucket_size, seed)
-  y = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(shape), dtype)
   size = x.size
   kwargs = dict(bits=bits, bucket_size=bucket_size)
 
-  reference = quantize.quantize(x, stats_dtype=stats_dtype, implementation="xla", **kwargs)
-  kernel = quantize.quantize(x, stats_dtype=stats_dtype, implementation="interpret", **kwargs)
-  chex.assert_trees_all_equal_shapes_and_dtypes(kernel, reference)
+  reference = quantize.quantize(x, stats_dtype=stats_dtype, **kwargs)
   chex.assert_shape(reference.codes, (math.ceil(size * bits / 8),))
   chex.assert_shape(reference.minimum, (quantize.num_buckets(size, bucket_size),))
   assert reference.minimum.dtype == jnp.dtype(stats_dtype), message
-  for field in quantize.QuantizedArray._fields:
-    np.testing.assert_array_equal(getattr(kernel, field), getattr(reference, field), err_msg=f"{field} {message}")
 
   codes, minimum, maximum = numpy_quantize(x, bits, bucket_size, stats_dtype)
   # The module's plain reference states the same formula, unpacked.
@@ -134,24 +131,18 @@ def test_kernels_match_xla_and_numpy(shape, dtype, bits, bucket_size, stats_dtyp
   expected_bytes = packing.pack(jnp.asarray(codes), base=2**bits, planes=8 // bits)
   np.testing.assert_array_equal(reference.codes, expected_bytes, err_msg=message)
 
-  decoded = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="xla", **kwargs)
+  decoded = quantize.dequantize(reference, size=size, dtype=out_dtype, **kwargs)
+  chex.assert_shape(decoded, (size,))
+  assert decoded.dtype == jnp.dtype(out_dtype), message
   close_within_rounding(
     decoded,
     quantize.dequantize_reference(jnp.asarray(codes), minimum, maximum, **kwargs).astype(out_dtype),
     out_dtype,
     message,
   )
-  decoded_kernel = quantize.dequantize(reference, size=size, dtype=out_dtype, implementation="interpret", **kwargs)
-  chex.assert_trees_all_equal_shapes_and_dtypes(decoded_kernel, decoded)
-  close_within_rounding(decoded_kernel, decoded, out_dtype, message)
   # The first bucket is constant.
   first = np.asarray(x.reshape(-1)[:bucket_size].astype(out_dtype))
-  np.testing.assert_array_equal(decoded_kernel[:bucket_size], first, err_msg=message)
-
-  summed = quantize.dequantize_add(reference, y, implementation="xla", **kwargs)
-  summed_kernel = quantize.dequantize_add(reference, y, implementation="interpret", **kwargs)
-  chex.assert_trees_all_equal_shapes_and_dtypes(summed_kernel, y)
-  close_within_rounding(summed_kernel, summed, dtype, message)
+  np.testing.assert_array_equal(decoded[:bucket_size], first, err_msg=message)
 
 
 @pytest.mark.parametrize("bits", quantize.SUPPORTED_BITS)
@@ -163,7 +154,7 @@ def test_codes_follow_the_planar_byte_order(bits, seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal(size), jnp.float32)
   codes, _, _ = numpy_quantize(x, bits, 256, jnp.float32)
   codes = codes.astype(np.int64)
-  packed = np.asarray(quantize.quantize(x, bits=bits, bucket_size=256, implementation="xla").codes)
+  packed = np.asarray(quantize.quantize(x, bits=bits, bucket_size=256).codes)
   if bits == 8:
     np.testing.assert_array_equal(packed, codes, err_msg=f"seed={seed}")
     return
@@ -184,8 +175,8 @@ finite_float32 = st.floats(-1e6, 1e6, width=32, allow_subnormal=False)
   stats_dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
 )
 def test_round_trip_within_half_a_step(x, bits, bucket_size, stats_dtype):
-  q = quantize.quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype, implementation="xla")
-  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=bucket_size, implementation="xla")
+  q = quantize.quantize(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
+  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=bucket_size)
   padded = np.pad(x, (0, q.minimum.size * bucket_size - x.size), mode="edge").reshape(-1, bucket_size)
   # The stored statistics enclose each bucket.
   assert np.all(np.asarray(q.minimum.astype(jnp.float32)) <= padded.min(axis=1, initial=np.inf))
@@ -202,9 +193,9 @@ def test_constant_buckets_decode_exactly(bits, stats_dtype, seed):
   if stats_dtype == jnp.bfloat16:
     values = values.astype(jnp.bfloat16).astype(np.float32)
   x = np.repeat(values, 64)[:150]  # the last bucket is short
-  q = quantize.quantize(x, bits=bits, bucket_size=64, stats_dtype=stats_dtype, implementation="xla")
+  q = quantize.quantize(x, bits=bits, bucket_size=64, stats_dtype=stats_dtype)
   np.testing.assert_array_equal(packing.unpack(q.codes, x.size, base=2**bits, planes=8 // bits), 0)
-  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=64, implementation="xla")
+  decoded = quantize.dequantize(q, size=x.size, bits=bits, bucket_size=64)
   np.testing.assert_array_equal(decoded, x, err_msg=f"seed={seed}")
 
 
@@ -214,32 +205,31 @@ def test_dequantize_add_is_y_plus_dequantize(dtype, seed):
   shape = (5, 77)
   x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
   y = jnp.asarray(rng.standard_normal(shape), dtype)
-  q = quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
-  decoded = quantize.dequantize(q, size=x.size, bits=4, bucket_size=256, implementation="xla")
+  q = quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16)
+  decoded = quantize.dequantize(q, size=x.size, bits=4, bucket_size=256)
   expected = (y.astype(jnp.float32) + decoded.reshape(shape)).astype(dtype)
-  summed = quantize.dequantize_add(q, y, bits=4, bucket_size=256, implementation="xla")
+  summed = quantize.dequantize_add(q, y, bits=4, bucket_size=256)
   chex.assert_trees_all_equal_shapes_and_dtypes(summed, y)
   np.testing.assert_array_equal(summed, expected, err_msg=f"seed={seed}")
 
 
 def test_quantize_under_jit_equals_eager(seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal((3, 300)), jnp.bfloat16)
-  quantized = lambda x: quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16, implementation="xla")
+  quantized = lambda x: quantize.quantize(x, bits=4, bucket_size=256, stats_dtype=jnp.bfloat16)
   chex.assert_trees_all_equal(jax.jit(quantized)(x), quantized(x))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("shape", [(0,), (4, 0)])
-def test_zero_size(shape, implementation):
+def test_zero_size(shape):
   x = jnp.zeros(shape, jnp.bfloat16)
-  q = quantize.quantize(x, bits=4, bucket_size=64, stats_dtype=jnp.bfloat16, implementation=implementation)
+  q = quantize.quantize(x, bits=4, bucket_size=64, stats_dtype=jnp.bfloat16)
   chex.assert_trees_all_equal_shapes_and_dtypes(
     q,
     quantize.QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), jnp.bfloat16), jnp.zeros((0,), jnp.bfloat16)),
   )
-  decoded = quantize.dequantize(q, size=0, bits=4, bucket_size=64, implementation=implementation)
+  decoded = quantize.dequantize(q, size=0, bits=4, bucket_size=64)
   chex.assert_shape(decoded, (0,))
-  summed = quantize.dequantize_add(q, x, bits=4, bucket_size=64, implementation=implementation)
+  summed = quantize.dequantize_add(q, x, bits=4, bucket_size=64)
   chex.assert_trees_all_equal_shapes_and_dtypes(summed, x)
 
 
@@ -275,9 +265,9 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
   last = size - size % bucket_size
   e[last:] = np.where(e[last:] == 0, 0, -50 - rng.random(size - last))
   y[last:] += np.where(e[last:] == 0, 0, 100)
-  q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, implementation="xla", **kwargs)
+  q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, **kwargs)
   y = jnp.asarray(y.reshape(shape), dtype)
-  x = quantize.dequantize_add(q, y.astype(jnp.float32), implementation="xla", **kwargs).reshape(-1)
+  x = quantize.dequantize_add(q, y.astype(jnp.float32), **kwargs).reshape(-1)
   indices, values = topk.block_topk(x, density=density, block_size=block_size)
   selection = dict(density=density, block_size=block_size)
   results = {
@@ -304,7 +294,7 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
 
 def test_requantize_unselected_kernel_needs_buckets_inside_blocks():
   x = jnp.ones(1024)
-  q = quantize.quantize(x, bits=4, bucket_size=512, implementation="xla")
+  q = quantize.quantize(x, bits=4, bucket_size=512)
   indices, values = topk.block_topk(x, density=0.1, block_size=768)
   requantized = functools.partial(
     quantize.requantize_unselected, q, x, indices, values, density=0.1, block_size=768, bits=4, bucket_size=512
@@ -343,7 +333,7 @@ def test_num_buckets():
 
 
 X = jnp.ones((10,), jnp.float32)
-Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
+Q = quantize.quantize(X, bits=4, bucket_size=64)
 
 
 @pytest.mark.parametrize(
@@ -358,7 +348,6 @@ Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
     (lambda: quantize.quantize(X, bits=4, bucket_size=256.0), "bucket_size"),
     (lambda: quantize.quantize(jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "x"),
     (lambda: quantize.quantize(X, bits=4, bucket_size=64, stats_dtype=jnp.float16), "stats_dtype"),
-    (lambda: quantize.quantize(X, bits=4, bucket_size=64, implementation="cuda"), "implementation"),
     (lambda: quantize.num_buckets(-1, 64), "size"),
     (lambda: quantize.num_buckets(10, 300), "bucket_size"),
     (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, dtype=jnp.int8), "dtype"),
@@ -367,7 +356,6 @@ Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
     (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=96), "bucket_size"),
     (lambda: quantize.dequantize(Q, size=11, bits=4, bucket_size=64), "q"),
     (lambda: quantize.dequantize(Q, size=10, bits=8, bucket_size=64), "q"),
-    (lambda: quantize.dequantize(Q, size=10, bits=4, bucket_size=64, implementation="gpu"), "implementation"),
     (lambda: quantize.dequantize_add(Q, jnp.ones(10, jnp.int32), bits=4, bucket_size=64), "y"),
     (lambda: quantize.dequantize_add(Q, jnp.ones(12), bits=4, bucket_size=64), "q"),
   ],
@@ -375,22 +363,3 @@ Q = quantize.quantize(X, bits=4, bucket_size=64, implementation="xla")
 def test_invalid_arguments_raise_naming_them(call, argument):
   with pytest.raises(ValueError, match=rf"^{argument} "):
     call()
-
-
-def lowered_quantize() -> str:
-  """``quantize`` of 1024 elements in buckets of 256, lowered for CUDA with ``implementation=None``."""
-  quantized = functools.partial(quantize.quantize, bits=4, bucket_size=256)
-  return _backend.lower_for_cuda(quantized, jax.ShapeDtypeStruct((1024,), jnp.float32))
-
-
-@pytest.mark.parametrize("kernel_faster", [True, False])
-def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", kernel_faster)
-  assert ("mosaic_gpu" in lowered_quantize()) == kernel_faster
-
-
-def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "quantize", True)
-  assert "mosaic_gpu" not in lowered_quantize()
