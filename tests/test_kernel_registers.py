@@ -41,6 +41,19 @@ def test_ptxas_reports_are_read_per_entry_function():
   }
 
 
+def test_a_kernel_whose_registers_or_spills_moved_is_reported():
+  figures = {"registers": 64, "spill_stores": 120, "spill_loads": 120}
+  committed = {"kernels": {"k": {"backend": "Triton", "sm_90a": figures, "sm_100a": figures}}}
+  moved = {"kernels": {"k": {"backend": "Triton", "sm_100a": dict(figures, spill_stores=108)}}}
+  assert kernel_registers.differences({"kernels": {"k": {"sm_100a": figures}}}, committed) == []
+  assert kernel_registers.differences(moved, committed) == [
+    f"k sm_100a: {figures} -> {dict(figures, spill_stores=108)}"
+  ]
+  assert kernel_registers.differences({"kernels": {"new": {"sm_100a": figures}}}, committed) == [
+    f"new sm_100a: None -> {figures}"
+  ]
+
+
 def test_the_results_cover_every_kernel_for_both_architectures():
   committed = json.loads(RESULTS.read_text())["kernels"]
   for example in check_lowering.kernel_examples():
