@@ -21,7 +21,10 @@ in those 20 steps, so the bound is under 3% of the smallest descent: a
 bfloat16 run that stalls (updates below the parameters' spacing lost),
 drifts, or turns non-finite fails. A third run, each optimizer followed by
 ``optax_memopt.stochastic_rounding``, keeps bfloat16 parameters too and is
-held to the same bound.
+held to the same bound: over 8 seeds per optimizer it ended between 0.021
+nearer and 0.085 farther than float32 (optax's AdamW again the farthest,
+0.071-0.085: its bfloat16 moments, not the parameters' rounding; every
+other method within 0.032).
 """
 
 from __future__ import annotations
