@@ -100,25 +100,6 @@ def _whole_blocks(size: int, block_size: int, bucket_size: int) -> bool:
   return size > 0 and size % block_size == 0 and block_size % bucket_size == 0 and block_size % quantize.ROW == 0
 
 
-def _without_internal_refs(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` with the refs it creates inside (the in-place Mosaic GPU kernels' operands) turned into values.
-
-  ``jax.jit`` lowers such refs, but JAX 0.10's ``custom_partitioning`` lowers
-  a partition's function without doing so (it refuses the refs' effect), so
-  the function is handed over already discharged.
-  """
-  from jax._src.state.discharge import discharge_state
-
-  def discharged(*args):
-    closed = discharge_state(jax.make_jaxpr(fn)(*args))
-    return jax.tree.unflatten(
-      jax.tree.structure(jax.eval_shape(fn, *args)),
-      jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args)),
-    )
-
-  return discharged
-
-
 # Operands and results of one tensor's step: the flat gradient and direction,
 # codes and statistics, ``n`` blocks of ``a``, ``c`` and ``s`` elements each,
 # and the ring's ``(window, n * k)`` entries; the step count and decay rates
@@ -177,7 +158,7 @@ def _block_local_step(
     ring = NamedSharding(mesh, PartitionSpec(None, axes))
     scalar = NamedSharding(mesh, PartitionSpec())
     results = (flat, ring, ring, flat, flat, flat)
-    return mesh, _without_internal_refs(local_step), results, (*results, *(scalar,) * len(scalars))
+    return mesh, sharding.without_internal_refs(local_step), results, (*results, *(scalar,) * len(scalars))
 
   def infer(mesh, arg_shapes, result_shape):
     return partition(mesh, arg_shapes, result_shape)[2]
@@ -397,7 +378,8 @@ def scale_by_microadam(
       if jnp.dtype(param_dtype).itemsize > 4:
         gradient = gradient.astype(jnp.float32)
       hyper = (count, *(jnp.asarray(h, jnp.float32) for h in (b1, b2, eps)))
-      if _whole_blocks(gradient.size, block_size, bucket_size):
+      # The Pallas interpreter (tests on CPUs) calls back to the host, which custom_partitioning does not take.
+      if _whole_blocks(gradient.size, block_size, bucket_size) and implementation != "interpret":
         direction, *state = _block_local_step(
           flat_step, gradient, indices, values, *error, *hyper, window=window, block_size=block_size
         )

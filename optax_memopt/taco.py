@@ -74,6 +74,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_memopt import hyperparameters, leaves, sharding
 from pallas_kernels import dispatch, static_args
@@ -238,6 +240,41 @@ class _Segments:
     return self.count * self.per_segment
 
 
+def _column_select_by_rows(grads, tracked, offsets, *, keep: int, implementation) -> tuple[jax.Array, jax.Array]:
+  """``column_select`` of ``[rows, parts, width]`` segments, each device selecting in the rows and parts it holds.
+
+  The selection is row by row and part by part, so it is partitioned along
+  both (``custom_partitioning``): the kernel, which the partitioner cannot
+  split, runs on each device's own rows and parts instead of on the gathered
+  tensor. A single-device program calls ``column_select`` unchanged.
+
+  Returns:
+    ``(index, value)`` of the selection, ``[rows, parts, keep]`` each.
+  """
+
+  def select(grads, tracked, offsets):
+    selection = column_select(grads, tracked, offsets, keep=keep, implementation=implementation)
+    return selection.index, selection.value
+
+  # The Pallas interpreter (tests on CPUs) calls back to the host, which custom_partitioning does not take.
+  if tracked.shape[-1] == 0 or implementation == "interpret":
+    return select(grads, tracked, offsets)
+
+  def partition(mesh, arg_shapes, result_shape):
+    del result_shape
+    spec = (*arg_shapes[0].sharding.spec, None, None)
+    rows_and_parts = NamedSharding(mesh, PartitionSpec(spec[0], spec[1], None))
+    return mesh, sharding.without_internal_refs(select), (rows_and_parts,) * 2, (rows_and_parts,) * 3
+
+  step = custom_partitioning(select)
+  step.def_partition(
+    partition=partition,
+    infer_sharding_from_operands=lambda mesh, args, result: partition(mesh, args, result)[2],
+    sharding_rule="r p w, r p t, r p t -> r p k, r p k",
+  )
+  return step(grads, tracked, offsets)
+
+
 def scale_by_taco(
   k: int = 16,
   beta: jax.typing.ArrayLike = 0.9,
@@ -379,13 +416,13 @@ def scale_by_taco(
     # recomputes U, with or without a fused multiply-add, it rounds the same.
     decay = jnp.asarray(beta, jnp.float32)
     weight = (decay / (1 - decay)).astype(jnp.bfloat16).astype(jnp.float32)
-    selection = column_select(
+    selected_index, selected_value = _column_select_by_rows(
       grads, tracked, weight * momentum, keep=max(cut.per_segment, 1), implementation=implementation
     )
-    columns = selection.index + start
+    columns = selected_index + start
     # The step: the row's largest |U| is the first slot of its largest part
     # (parts in column order, so ties still go to the lower column).
-    first = selection.value[..., 0]
+    first = selected_value[..., 0]
     top_part = jnp.argmax(jnp.abs(first), axis=-1, keepdims=True)
     top_value = jnp.take_along_axis(first, top_part, axis=-1)
     # Its column as a masked sum rather than a slice of the selected columns:
@@ -397,7 +434,7 @@ def scale_by_taco(
     if cut.slots == 0:
       return direction, index, codes, scale
     # The heavy hitters: U = (1 - beta) * (U / (1 - beta)) at the selected columns.
-    new_codes, new_scale = _quantize((1 - decay) * selection.value.reshape(rows, -1))
+    new_codes, new_scale = _quantize((1 - decay) * selected_value.reshape(rows, -1))
     return (
       direction,
       columns.astype(index.dtype).reshape(index.shape),

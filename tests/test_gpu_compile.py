@@ -311,16 +311,22 @@ def test_collectives_of_a_program_compiled_for_two_hosts_of_eight():
   program = gpu_compile.compile_step(optax.adamw(1e-3), params, devices=8, tensor_parallel=2)
   assert program.param_bytes == 4 * 1024 * 4096 // 8
   assert set(program.collectives.values()) == {0}
+  # The planner's sharded table (fit --devices N --compile h100) shows them.
+  report = gpu_compile.peak_report(params, devices=8, optimizer_names=["adamw"])
+  assert "| collectives |" in str(report) and report.rows[0].collective_bytes == 0
 
 
 @needs_plugin
-def test_microadam_sharded_over_8_h100s_steps_each_shard_alone():
+@pytest.mark.parametrize("name", ["microadam", "taco"])
+def test_steps_with_kernels_sharded_over_8_h100s_step_each_shard_alone(name):
   import optax_memopt
 
-  # 128 blocks of 16384 (the default), 16 whole blocks on each device: the
-  # selection, the error feedback, the window's bitmap and update stay local.
+  # MicroAdam: 128 blocks of 16384 (the default), 16 whole blocks on each
+  # device: the selection, the error feedback, the window's bitmap and update
+  # stay local. TACO: each device selects in its own rows. Their Pallas
+  # kernels, which the partitioner cannot split, run on each device's part.
   params = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32)}
-  program = gpu_compile.compile_step(optax_memopt.microadam(1e-3), params, devices=8)
+  program = gpu_compile.compile_step(getattr(optax_memopt, name)(1e-3), params, devices=8)
   assert program.param_bytes == 4 * 2048 * 1024 // 8
   assert set(program.collectives.values()) == {0}
 
