@@ -10,7 +10,10 @@ step time and the median over rounds of its ratio to the same round's
 ``memory_analysis``) shows any transient dense buffer an optimizer needs
 beyond its state. With ``--implementations xla pallas`` (on
 a GPU) the methods with kernels are timed once per implementation, against
-the same adamw baseline. Writes the rows with the machine and the command to
+the same adamw baseline. ``--optimizers`` also takes the steps of
+``PROBES`` (``galore_svd_step``: GaLore's step that recomputes its
+projections, which the ``galore`` row, timed on steps 3 to 22, never takes).
+Writes the rows with the machine and the command to
 ``--json`` (``results/step_time.json``; benchmarks/README.md's table is
 ``--render`` of the committed ``benchmarks/data/step_time.json``).
 
@@ -36,6 +39,17 @@ import optax
 
 from benchmarks import shapes
 from optax_memopt.training import optimizers
+
+# Steps timed beside the registry's, by name: GaLore's step that recomputes its
+# projections (an SVD of every matrix's gradient), which optax's default takes
+# once every 200 steps, so that the registry's galore row times only the others.
+PROBES = {
+  "galore_svd_step": optimizers.OptimizerSpec(
+    lambda lr, config: optax.contrib.galore(lr, update_proj_gap=1, weight_decay=optimizers.WEIGHT_DECAY),
+    1e-3,
+    "optax.contrib.galore recomputing its projections every step",
+  )
+}
 
 
 def compile_step(optimizer, params, grads):
@@ -144,7 +158,7 @@ def main(argv=None) -> None:
     grads = shapes.gradients(params)
     timed = []  # (name, path, Timed) in table order, adamw first.
     for name in names:
-      spec = optimizers.get(name)
+      spec = PROBES[name] if name in PROBES else optimizers.get(name)
       for implementation in implementations if spec.has_kernels else [None]:
         fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
         options = {"implementation": implementation} if spec.has_kernels else {}
