@@ -92,11 +92,12 @@ def test_a_small_models_train_step_compiles_for_every_target(target):
   loss_fn, params = _tiny_llama()
   tokens = jax.ShapeDtypeStruct((4, 65), jnp.int32)
   # TACO's step holds a Mosaic GPU kernel: compiled through ptxas for the target's architecture.
-  report = train_compile.train_step_report(loss_fn, params, tokens, target=target, optimizer_names=["adamw", "taco"])
-  for program in report.programs.values():
-    assert program.target == target and program.memory == gpu_compile.device_memory_bytes(target)
-    assert program.activations_bytes > 0 and program.fits
-  assert report.programs["taco"].state_bytes < report.programs["adamw"].state_bytes
+  report = train_compile.train_step_report(loss_fn, params, tokens, target=target, optimizer_names=["taco"])
+  program = report.programs["taco"]
+  assert program.target == target and program.memory == gpu_compile.device_memory_bytes(target)
+  # The descriptions' memory: 80 GB (H100), 141 GB (H200), about 180 GB (B200), as their drivers report it.
+  assert program.memory / 2**30 > {"h100": 79, "h200": 140, "b200": 178}[target]
+  assert program.activations_bytes > 0 and program.fits
   assert f"one {target.upper()}" in str(report) and "| taco |" in str(report)
 
 
