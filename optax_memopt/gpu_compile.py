@@ -527,7 +527,7 @@ def compile_step(
 def device_memory_bytes(target: str = "h100") -> int:
   """The memory of one ``target`` device, from its description."""
   description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
-  return int(re.search(r"device_memory_size:\s*(\d+)", description).group(1))
+  return int(re.search(r"^\s*device_memory_size:\s*(\d+)", description, flags=re.M).group(1))
 
 
 @dataclasses.dataclass(frozen=True)
