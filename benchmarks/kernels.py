@@ -1,10 +1,11 @@
 """MicroAdam's kernels against their XLA paths: same answer, and how fast.
 
-The two kernels MicroAdam's step runs on a Hopper GPU by default, at its
-defaults (4-bit error feedback in buckets of 1024, top-k blocks of 16384 at
-density 0.01): ``feedback_topk`` (Triton: the gradient plus the decoded
-error, its block top-k) and ``quantize.requantize_unselected`` (Mosaic GPU:
-the error feedback with the selection zeroed, re-encoded in place).
+The two kernels MicroAdam's step runs on a Hopper GPU by default
+(``pallas_kernels.error_feedback``), at its defaults (4-bit error feedback
+in buckets of 1024, top-k blocks of 16384 at density 0.01):
+``feedback_topk`` (Triton: the gradient plus the decoded error, its block
+top-k) and ``requantize_unselected`` (Mosaic GPU: the error feedback with
+the selection zeroed, re-encoded in place).
 
 On a GPU this is the readiness check: each op runs with
 ``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import feedback_topk, quantize, topk
+from pallas_kernels import error_feedback, quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
@@ -72,7 +73,7 @@ def _statistics_bytes(n: int) -> int:
 
 
 def _select(q, y, implementation):
-  return feedback_topk.feedback_topk(
+  return error_feedback.feedback_topk(
     q, y, density=DENSITY, block_size=BLOCK, bits=BITS, bucket_size=BUCKET, implementation=implementation
   )
 
@@ -95,7 +96,7 @@ def _cases() -> list[KernelCase]:
     KernelCase(
       "requantize_unselected",
       _with_selection,
-      lambda q, y, indices, values, implementation: quantize.requantize_unselected(
+      lambda q, y, indices, values, implementation: error_feedback.requantize_unselected(
         q,
         y,
         indices,

@@ -21,21 +21,22 @@ bytes of today's defaults are in ``benchmarks/data/h100_compile.json``; the
 commits named hold the before-and-after measurements; no kernel is timed on
 a GPU at today's code (``benchmarks/README.md``, "On an H200", is stale).
 
-* ``feedback_topk`` (MicroAdam's selection). XLA path: the default off
-  Hopper and for a tail block. Triton kernel, the default on Hopper: it
-  reads the gradient and the error codes once, where XLA's two-stage top-k
-  reads them twice and sorts; fewer bytes in MicroAdam's H100 compile
-  (commit 0781d17).
+* ``error_feedback.feedback_topk`` (MicroAdam's selection). XLA path: the
+  default off Hopper and for a tail block. Triton kernel, the default on
+  Hopper: it reads the gradient and the error codes once, where XLA's
+  two-stage top-k reads them twice and sorts; fewer bytes in MicroAdam's
+  H100 compile (commit 0781d17).
 * ``topk.block_topk``: an XLA path and no kernel; it is ``feedback_topk``'s
   XLA path, the reference's selection in two exact stages on float32-bitcast
   keys (XLA:CPU's partial-sort ``TopK``; MicroAdam's CPU step, commit
   7c637d5). Its Mosaic GPU kernel, slower than XLA's ``TopK`` on an H200
   and reached by no optimizer, is deleted.
-* ``quantize.requantize_unselected`` (MicroAdam's error feedback). XLA
-  path (``quantize`` of ``topk.zero_selected`` of ``dequantize_add``): the
-  default off Hopper. Mosaic GPU kernel, the default on Hopper: it writes no
-  float32 error and rewrites the codes in place; fewer bytes and
-  temporaries in MicroAdam's H100 compile (commits 94a48ae, 0781d17).
+* ``error_feedback.requantize_unselected`` (MicroAdam's error feedback
+  re-encoded). XLA path (``quantize`` of ``zero_selected`` of
+  ``dequantize_add``): the default off Hopper. Mosaic GPU kernel, the
+  default on Hopper: it writes no float32 error and rewrites the codes in
+  place; fewer bytes and temporaries in MicroAdam's H100 compile (commits
+  94a48ae, 0781d17).
 * ``quantize.quantize``, ``dequantize`` and ``dequantize_add``: an XLA
   path and no kernel, not switched here. XLA fuses the decoding into its
   readers, which moves fewer bytes than a kernel writing it out

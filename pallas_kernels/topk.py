@@ -29,9 +29,9 @@ per block). ``block_topk`` is the same selection tuned for XLA:
 XLA:CPU's partial-sort top-k is for floats only), and at low density runs in
 two exact stages: the top ``k`` groups of ``g`` entries by their maximum
 key, then the top ``k`` of those ``k g`` candidates. It has no kernel of its
-own: on a GPU, MicroAdam selects with ``feedback_topk``'s Triton kernel,
-which reads the error feedback and the gradient once and uses this module's
-selection rule (``kth_largest_key``, ``chosen_by_threshold``).
+own: on a GPU, MicroAdam selects with ``error_feedback.feedback_topk``'s
+Triton kernel, which reads the error feedback and the gradient once and
+ranks by this module's ``magnitude_key``.
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +52,9 @@ from pallas_kernels import static_args
 
 # Block-local indices (0 .. block_size - 1) must fit in int32.
 MAX_BLOCK_SIZE = 2**31
-# Keys are non-negative int32: bisecting bits 30 .. 0 reaches every key.
-_KEY_BITS = 31
 
 
-def _check_block_params(density, block_size) -> tuple[float, int]:
+def check_block_params(density, block_size) -> tuple[float, int]:
   """``(density, block_size)`` as Python numbers, or a ``ValueError`` naming the culprit."""
   density = static_args.check_fraction("density", density)
   block_size = static_args.check_int(
@@ -66,7 +63,7 @@ def _check_block_params(density, block_size) -> tuple[float, int]:
   return density, block_size
 
 
-def _float_array(x) -> jax.Array:
+def float_array(x) -> jax.Array:
   """``x`` as a JAX array, or a ``ValueError`` if it is not floating point."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -110,7 +107,7 @@ def selection_size(size: int, *, density: float, block_size: int) -> int:
     >>> selection_size(1000, density=0.05, block_size=512)  # 26 + ceil(24.4)
     51
   """
-  density, block_size = _check_block_params(density, block_size)
+  density, block_size = check_block_params(density, block_size)
   size = static_args.check_int("size", size, 0)
   full_blocks, tail = divmod(size, block_size)
   return full_blocks * entries_kept(block_size, density) + entries_kept(tail, density)
@@ -119,7 +116,7 @@ def selection_size(size: int, *, density: float, block_size: int) -> int:
 def magnitude_key(x: jax.Array) -> jax.Array:
   """The int32 key that ranks entries: the bits of ``|float32(x)|``.
 
-  Shared by the kernels (``feedback_topk``, ``quantize.requantize_unselected``)
+  Shared by the kernels (``error_feedback``'s ``feedback_topk``, ``requantize_unselected``)
   and the XLA code. The sign bit is masked in uint32 (Mosaic GPU only does
   bit operations on 32-bit unsigned integers); the result is below
   ``2**31``, so the cast to int32 is exact.
@@ -128,7 +125,7 @@ def magnitude_key(x: jax.Array) -> jax.Array:
   return (bits & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
 
 
-def _block_parts(flat: jax.Array, *, density: float, block_size: int) -> list[tuple[jax.Array, int]]:
+def block_parts(flat: jax.Array, *, density: float, block_size: int) -> list[tuple[jax.Array, int]]:
   """The full blocks ``[n, block_size]`` and the tail block ``[1, r]`` of ``flat``, each with its keep."""
   full_blocks, tail = divmod(flat.size, block_size)
   parts = []
@@ -148,7 +145,7 @@ def block_topk_reference(x: jax.Array, *, density: float, block_size: int) -> tu
   """
   flat = jnp.asarray(x).reshape(-1)
   indices, values = [], []
-  for blocks, keep in _block_parts(flat, density=density, block_size=block_size):
+  for blocks, keep in block_parts(flat, density=density, block_size=block_size):
     _, chosen = lax.top_k(magnitude_key(blocks), keep)
     chosen = jnp.sort(chosen, axis=1)
     indices.append(chosen.reshape(-1))
@@ -159,33 +156,6 @@ def block_topk_reference(x: jax.Array, *, density: float, block_size: int) -> tu
     jnp.concatenate(indices).astype(static_args.index_dtype(block_size)),
     jnp.concatenate(values),
   )
-
-
-def kth_largest_key(count_at_least: Callable[[jax.Array], jax.Array], k: int) -> jax.Array:
-  """The k-th largest magnitude key, by bisection on its bits from the top down.
-
-  Keeps the largest ``T`` with ``count_at_least(T) = #{key >= T} >= k``, by
-  31 counts over what the caller holds (``feedback_topk``'s kernel: a block
-  in registers); shifts are on uint32.
-  """
-
-  def bisect(step, threshold):
-    bit = lax.shift_left(jnp.uint32(1), (_KEY_BITS - 1 - step).astype(jnp.uint32))
-    candidate = threshold + bit.astype(jnp.int32)
-    return jnp.where(count_at_least(candidate) >= k, candidate, threshold)
-
-  return lax.fori_loop(0, _KEY_BITS, bisect, jnp.int32(0))
-
-
-def chosen_by_threshold(keys: jax.Array, threshold: jax.Array, ties: jax.Array) -> jax.Array:
-  """The selection along the last axis: keys above ``threshold``, and the first ``ties`` keys equal to it.
-
-  ``threshold`` is the k-th largest key and ``ties = k - #{key > threshold}``
-  (broadcast against ``keys``); ties go to the lower index.
-  """
-  at_threshold = keys == threshold
-  tie_rank = jnp.cumsum(at_threshold.astype(jnp.int32), axis=-1)
-  return (keys > threshold) | (at_threshold & (tie_rank <= ties))
 
 
 def _as_float_key(keys: jax.Array) -> jax.Array:
@@ -245,7 +215,7 @@ def _select_xla(blocks: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def _block_topk(x: jax.Array, *, density: float, block_size: int) -> tuple[jax.Array, jax.Array]:
   index_dtype = static_args.index_dtype(block_size)
   indices, values = [], []
-  for blocks, keep in _block_parts(x.reshape(-1), density=density, block_size=block_size):
+  for blocks, keep in block_parts(x.reshape(-1), density=density, block_size=block_size):
     selected, kept = _select_xla(blocks, keep)
     indices.append(selected.astype(index_dtype).reshape(-1))
     values.append(kept.reshape(-1))
@@ -303,146 +273,5 @@ def block_topk(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
-  density, block_size = _check_block_params(density, block_size)
-  return _block_topk(_float_array(x), density=density, block_size=block_size)
-
-
-@functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
-def _selection_bounds(indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int):
-  """Per block (full blocks, then the tail): its smallest selected key ``T``, its last selected index of key ``T``."""
-  keys = magnitude_key(values)
-  local = indices.astype(jnp.int32)
-  thresholds, last_ties, start = [], [], 0
-  full_blocks, tail = divmod(size, block_size)
-  for count, keep in ((full_blocks, entries_kept(block_size, density)), (int(tail > 0), entries_kept(tail, density))):
-    end = start + count * keep
-    kept_keys = keys[start:end].reshape(count, keep)
-    kept_local = local[start:end].reshape(count, keep)
-    start = end
-    threshold = kept_keys.min(axis=1, initial=jnp.iinfo(jnp.int32).max)
-    thresholds.append(threshold)
-    last_ties.append(jnp.max(jnp.where(kept_keys == threshold[:, None], kept_local, -1), axis=1, initial=-1))
-  return jnp.concatenate(thresholds), jnp.concatenate(last_ties)
-
-
-def selection_bounds(
-  indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int
-) -> tuple[jax.Array, jax.Array]:
-  """Per block, the rank bound that delimits ``block_topk``'s selection.
-
-  Block ``b``'s selection is exactly the entries ``i`` (block-local) with
-
-  .. math::
-    \\mathrm{key}(x_i) > T_b \\;\\text{or}\\; (\\mathrm{key}(x_i) = T_b \\;\\text{and}\\; i \\le L_b),
-
-  ``T_b`` its smallest selected magnitude key (``magnitude_key``) and ``L_b``
-  the last selected index of key ``T_b`` (ties go to the lower index).
-
-  Args:
-    indices: the block-local indices ``block_topk`` returned for ``x``.
-    values: the values ``block_topk`` returned for ``x`` (``x``'s dtype).
-    size: ``x.size``.
-    density: fraction of each block kept, as given to ``block_topk``.
-    block_size: elements per block, as given to ``block_topk``.
-
-  Returns:
-    ``(T, L)``, int32 arrays of ``ceil(size / block_size)`` entries, the
-    full blocks' then the tail's.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from pallas_kernels.topk import block_topk, magnitude_key, selection_bounds
-    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
-    >>> indices, values = block_topk(x, density=0.5, block_size=4)
-    >>> threshold, last = selection_bounds(indices, values, size=10, density=0.5, block_size=4)
-    >>> bool((threshold == magnitude_key(jnp.array([2., 1., 7.]))).all()), last.tolist()
-    (True, [3, 3, 0])
-  """
-  density, block_size = _check_block_params(density, block_size)
-  expected = (selection_size(size, density=density, block_size=block_size),)
-  if jnp.shape(indices) != expected or jnp.shape(values) != expected:
-    raise ValueError(
-      f"indices and values must have shape {expected}, as block_topk returns for"
-      f" x of size {size}, density={density}, block_size={block_size}; got"
-      f" {jnp.shape(indices)} and {jnp.shape(values)}."
-    )
-  return _selection_bounds(indices, values, size=size, density=density, block_size=block_size)
-
-
-@functools.partial(jax.jit, static_argnames=("density", "block_size"))
-def _zero_selected(
-  x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
-) -> jax.Array:
-  thresholds, last_ties = _selection_bounds(indices, values, size=x.size, density=density, block_size=block_size)
-  masks, start = [], 0
-  for blocks, _ in _block_parts(x.reshape(-1), density=density, block_size=block_size):
-    end = start + blocks.shape[0]
-    threshold, last_tie = thresholds[start:end, None], last_ties[start:end, None]
-    start = end
-    block_keys = magnitude_key(blocks)
-    position = lax.broadcasted_iota(jnp.int32, blocks.shape, 1)
-    selected = (block_keys > threshold) | ((block_keys == threshold) & (position <= last_tie))
-    masks.append(selected.reshape(-1))
-  if not masks:
-    return x
-  # The masks, not zeroed blocks, are put back together: the result is then a
-  # select over x itself, which SPMD partitioning shards like x (zeroed
-  # blocks put back together were replicated where blocks do not split over
-  # the devices).
-  return jnp.where(jnp.concatenate(masks).reshape(x.shape), jnp.zeros((), x.dtype), x)
-
-
-def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int) -> jax.Array:
-  """``x`` with the entries ``block_topk(x, density=density, block_size=block_size)`` selected set to 0.
-
-  The selection of each block is exactly the keys above its smallest
-  selected key ``T`` and the keys equal to ``T`` up to the last selected
-  index (ties go to the lower index), so the zeroing is elementwise,
-
-  .. math::
-    x_i \\leftarrow 0 \\quad \\text{if} \\quad |x_i| > T_b \\;\\text{or}\\;
-    (|x_i| = T_b \\;\\text{and}\\; i \\le i^{\\mathrm{tie}}_b),
-
-  with ``T_b`` and ``i^tie_b`` read from the entries selected in block ``b``
-  (magnitudes ranked as in ``block_topk``): the scatter of zeros at the
-  selected positions without a scatter, for which XLA would copy ``x`` into
-  a new buffer.
-
-  Args:
-    x: the float array ``block_topk`` ranked (any shape; flattened).
-    indices: the block-local indices ``block_topk`` returned for ``x``.
-    values: the values ``block_topk`` returned for ``x``.
-    density: fraction of each block kept, as given to ``block_topk``.
-    block_size: elements per block, as given to ``block_topk``.
-
-  Returns:
-    ``x`` with the selected entries replaced by 0, same shape and dtype.
-
-  Raises:
-    ValueError: for ``density`` or ``block_size`` out of range, a non-float
-      ``x``, ``values`` of another dtype than ``x``, or ``indices`` and
-      ``values`` not of the selection's size.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from pallas_kernels.topk import block_topk, zero_selected
-    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
-    >>> indices, values = block_topk(x, density=0.5, block_size=4)
-    >>> zero_selected(x, indices, values, density=0.5, block_size=4).tolist()
-    [0.5, 0.0, 1.0, 0.0, -0.25, 0.0, 0.0, 0.0, 0.0, -7.0]
-  """
-  density, block_size = _check_block_params(density, block_size)
-  x = _float_array(x)
-  if jnp.result_type(values) != x.dtype:
-    # Thresholds read from rounded values would zero the wrong entries.
-    raise ValueError(
-      f"values must have x's dtype {x.dtype}, as block_topk returns them; got {jnp.result_type(values)}."
-    )
-  expected = (selection_size(x.size, density=density, block_size=block_size),)
-  if jnp.shape(indices) != expected or jnp.shape(values) != expected:
-    raise ValueError(
-      f"indices and values must have shape {expected}, as block_topk returns for"
-      f" x of size {x.size}, density={density}, block_size={block_size}; got"
-      f" {jnp.shape(indices)} and {jnp.shape(values)}."
-    )
-  return _zero_selected(x, indices, values, density=density, block_size=block_size)
+  density, block_size = check_block_params(density, block_size)
+  return _block_topk(float_array(x), density=density, block_size=block_size)

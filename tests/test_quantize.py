@@ -1,11 +1,10 @@
 """Blockwise 4-bit and 8-bit quantization: the XLA path and the plain reference
 against a numpy re-derivation of the documented formulas, the half-step bound
-as a property, the planar byte layout, and ``requantize_unselected``'s Mosaic
-GPU kernel (in the GPU interpreter) against its XLA path and the references."""
+as a property, and the planar byte layout (MicroAdam's re-encoding kernel:
+``tests/test_error_feedback.py``)."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import chex
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _backend, dispatch, packing, quantize, topk
+from pallas_kernels import packing, quantize
 
 pytestmark = pytest.mark.kernels
 
@@ -231,100 +230,6 @@ def test_zero_size(shape):
   chex.assert_shape(decoded, (0,))
   summed = quantize.dequantize_add(q, x, bits=4, bucket_size=64)
   chex.assert_trees_all_equal_shapes_and_dtypes(summed, x)
-
-
-# (shape, y dtype, bits, bucket_size, top-k block size, density, stats dtype):
-# MicroAdam's defaults with a short last block and bucket, 8 bits with a
-# bfloat16 y, buckets of one row, and blocks of one bucket.
-REQUANTIZE_CASES = [
-  ((2 * 16384 + 1000,), jnp.float32, 4, 1024, 16384, 0.01, jnp.bfloat16),
-  ((3, 1000), jnp.bfloat16, 8, 512, 1024, 0.05, jnp.float32),
-  ((2, 1100), jnp.float32, 4, 256, 512, 0.25, jnp.bfloat16),
-  ((700,), jnp.float16, 4, 256, 256, 0.1, jnp.bfloat16),
-]
-
-
-@pytest.mark.parametrize("shape,dtype,bits,bucket_size,block_size,density,stats_dtype", REQUANTIZE_CASES)
-@pytest.mark.parametrize("error", ["random", "zero"])
-def test_requantize_unselected_kernel_equals_xla_and_the_reference(
-  shape, dtype, bits, bucket_size, block_size, density, stats_dtype, error, seed
-):
-  """The kernel in the interpreter against XLA bit for bit, and both against the references:
-  top-k of ``y + dequantize(q)`` zeroed, quantized. With a zero error ``x = y``
-  holds runs of equal magnitudes, so each block's selection ends inside a
-  run of ties at its threshold."""
-  message = f"seed={seed}"
-  rng = np.random.default_rng(seed)
-  size = math.prod(shape)
-  kwargs = dict(bits=bits, bucket_size=bucket_size)
-  e = np.array(draw_input((size,), jnp.float32, bucket_size, seed)) if error == "random" else np.zeros(size)
-  y = rng.standard_normal(size)
-  y[rng.random(size) < 0.3] = -1.5  # ties: more than k of them in every block
-  # The short last bucket's error decodes far below its x (where the kernel's
-  # padding, decoded as the old minimum, would widen the bucket's range).
-  last = size - size % bucket_size
-  e[last:] = np.where(e[last:] == 0, 0, -50 - rng.random(size - last))
-  y[last:] += np.where(e[last:] == 0, 0, 100)
-  q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, **kwargs)
-  y = jnp.asarray(y.reshape(shape), dtype)
-  x = quantize.dequantize_add(q, y.astype(jnp.float32), **kwargs).reshape(-1)
-  indices, values = topk.block_topk(x, density=density, block_size=block_size)
-  selection = dict(density=density, block_size=block_size)
-  results = {
-    implementation: quantize.requantize_unselected(
-      q, y, indices, values, **selection, stats_dtype=stats_dtype, implementation=implementation, **kwargs
-    )
-    for implementation in ("xla", "interpret")
-  }
-  for field in quantize.QuantizedArray._fields:
-    np.testing.assert_array_equal(
-      getattr(results["interpret"], field), getattr(results["xla"], field), err_msg=f"{field} {message}"
-    )
-  reference_indices, _ = topk.block_topk_reference(x, **selection)
-  block = np.arange(indices.size) // topk.entries_kept(block_size, density)
-  zeroed = np.asarray(x).copy()
-  zeroed[block * block_size + np.asarray(reference_indices, np.int64)] = 0.0
-  codes, minimum, maximum = quantize.quantize_reference(jnp.asarray(zeroed), stats_dtype=stats_dtype, **kwargs)
-  np.testing.assert_array_equal(
-    packing.unpack(results["xla"].codes, size, base=2**bits, planes=8 // bits), codes, err_msg=message
-  )
-  np.testing.assert_array_equal(results["xla"].minimum.astype(jnp.float32), minimum, err_msg=message)
-  np.testing.assert_array_equal(results["xla"].maximum.astype(jnp.float32), maximum, err_msg=message)
-
-
-def test_requantize_unselected_kernel_needs_buckets_inside_blocks():
-  x = jnp.ones(1024)
-  q = quantize.quantize(x, bits=4, bucket_size=512)
-  indices, values = topk.block_topk(x, density=0.1, block_size=768)
-  requantized = functools.partial(
-    quantize.requantize_unselected, q, x, indices, values, density=0.1, block_size=768, bits=4, bucket_size=512
-  )
-  with pytest.raises(ValueError, match="bucket_size a multiple of 256 dividing block_size"):
-    requantized(implementation="interpret")
-  # The default takes XLA.
-  chex.assert_trees_all_equal(requantized(), requantized(implementation="xla"))
-
-
-@pytest.mark.parametrize("block_size,kernel", [(2048, True), (1280, False)])
-def test_requantize_unselected_on_hopper_runs_the_kernel_where_buckets_lie_inside_blocks(
-  monkeypatch, block_size, kernel
-):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  size = 4096
-  kept = topk.selection_size(size, density=0.01, block_size=block_size)
-  stats = jax.ShapeDtypeStruct((quantize.num_buckets(size, 512),), jnp.bfloat16)
-  q = quantize.QuantizedArray(jax.ShapeDtypeStruct((size // 2,), jnp.uint8), stats, stats)
-  requantized = functools.partial(
-    quantize.requantize_unselected, density=0.01, block_size=block_size, bits=4, bucket_size=512
-  )
-  text = _backend.lower_for_cuda(
-    requantized,
-    q,
-    jax.ShapeDtypeStruct((size,), jnp.float32),
-    jax.ShapeDtypeStruct((kept,), jnp.int16),
-    jax.ShapeDtypeStruct((kept,), jnp.float32),
-  )
-  assert ("mosaic_gpu" in text) == kernel
 
 
 def test_num_buckets():
