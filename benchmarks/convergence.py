@@ -318,7 +318,7 @@ def markdown_table(rows: list[Row]) -> str:
 TASK_TITLES = {
   "pretrain": "Pre-training from scratch on CPython's help pages (`pydoc_topics`)",
   "finetune": "Fine-tuning AdamW's pre-trained weights on the standard library's source (`stdlib_source`)",
-  "finetune_short": "Fine-tuning as the large model does: 100 steps, from AdamW's weights pre-trained for 500 steps"
+  "finetune_short": "Fine-tuning as the large model does, from AdamW's weights pre-trained for 500 steps"
   " (`stdlib_source`)",
 }
 
