@@ -131,3 +131,10 @@ def test_the_training_step_table_is_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "train_step_compile.json").read_text())
   assert train_step_compile.render(results) in (ROOT / "docs" / "memory-planning.md").read_text()
+
+
+def test_the_sharded_compile_tables_are_rendered_from_the_results():
+  from benchmarks import sharded_compile
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "sharded_compile.json").read_text())
+  assert sharded_compile.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
