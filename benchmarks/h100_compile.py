@@ -139,7 +139,7 @@ def render(results: dict) -> str:
       if rounding:
         r = row.get(ROUNDING)
         line += (
-          f" {r['moved']:.1f} | {r['moved'] / adamw:.2f} | {r['moved'] - d['moved']:+.2f} | {r['temporaries']:.3f} |"
+          f" {r['moved']:.1f} | {r['moved'] / adamw:.2f} | {r['moved'] - d['moved']:+.3f} | {r['temporaries']:.3f} |"
           if r
           else " | | | |"
         )

@@ -138,3 +138,13 @@ def test_the_sharded_compile_tables_are_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "sharded_compile.json").read_text())
   assert sharded_compile.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_stochastic_rounding_adds_no_pass_to_any_bfloat16_step():
+  """Each optimizer's committed bfloat16 step followed by stochastic rounding moves what it moves without (+0.01)."""
+  from optax_memopt.training import optimizers
+
+  rows = H100_RESULTS["rows"]["bfloat16"]
+  assert set(optimizers.OPTIMIZERS) <= {name for name, row in rows.items() if "stochastic_rounding" in row}
+  added = {name: row["stochastic_rounding"]["moved"] - row["default"]["moved"] for name, row in rows.items()}
+  assert all(0 <= extra < 0.01 for extra in added.values()), added
