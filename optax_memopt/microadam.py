@@ -27,7 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import dispatch, feedback_topk, microadam_update, quantize, static_args, topk
+from pallas_kernels import dispatch, error_feedback, microadam_update, quantize, static_args, topk
 
 ERROR_BITS = 4
 
@@ -331,7 +331,7 @@ def scale_by_microadam(
       ring_row = (count - 1) % window
       # Error feedback a = g + dequant(e), and the block top-k of |a|, which
       # goes to this step's ring row.
-      selected, kept = feedback_topk.feedback_topk(
+      selected, kept = error_feedback.feedback_topk(
         error,
         gradient,
         density=density,
@@ -344,7 +344,7 @@ def scale_by_microadam(
       values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
       # What top-k left out is the next error, in 4 bits: a (recomputed from
       # g and e, not read back) with a[I] = 0.
-      error = quantize.requantize_unselected(
+      error = error_feedback.requantize_unselected(
         error,
         gradient,
         selected,
@@ -367,7 +367,7 @@ def scale_by_microadam(
         size=gradient.size,
         density=density,
         block_size=block_size,
-        entries_at_once=entries_at_once or microadam_update.WINDOW_ENTRIES_AT_ONCE,
+        entries_at_once=entries_at_once,
       )
       return (direction, indices, values, *error)
 

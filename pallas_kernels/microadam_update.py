@@ -303,7 +303,7 @@ WINDOW_ENTRIES_AT_ONCE = 1 << 21
 
 
 def _dense_update(
-  ring, weights, eps, *, n_blocks: int, width: int, block_size: int, entries_at_once: int = WINDOW_ENTRIES_AT_ONCE
+  ring, weights, eps, *, n_blocks: int, width: int, block_size: int, entries_at_once: int | None = None
 ) -> jax.Array:
   """The flat dense update of ``n_blocks`` blocks of ``width`` elements from their ring columns.
 
@@ -314,6 +314,8 @@ def _dense_update(
   window, n_columns = ring[0].shape
   keep = n_columns // n_blocks
   n_entries, words = window * keep, -(-width // _WORD)
+  if entries_at_once is None:
+    entries_at_once = WINDOW_ENTRIES_AT_ONCE
   n_chunks = -(-n_blocks // max(1, entries_at_once // n_entries))
   chunk = -(-n_blocks // n_chunks)
 
@@ -341,7 +343,7 @@ def _dense_update(
   return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 
 
-def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_at_once=WINDOW_ENTRIES_AT_ONCE):
+def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_at_once=None):
   """The direction at the window's entries only, read densely through a bitmap rank.
 
   The only dense array is the update, gathered from each block's compacted
@@ -371,7 +373,7 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_a
 
 
 @functools.partial(jax.jit, static_argnames=("size", "density", "block_size", "entries_at_once"))
-def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size, entries_at_once):
+def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size, entries_at_once=None):
   weights = window_weights(count, b1, b2, window=indices.shape[0])
   return _update_xla(
     indices,
@@ -396,7 +398,7 @@ def microadam_update(
   size: int,
   density: float,
   block_size: int,
-  entries_at_once: int = WINDOW_ENTRIES_AT_ONCE,
+  entries_at_once: int | None = None,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
 
@@ -422,9 +424,10 @@ def microadam_update(
     density: the top-k's fraction kept per block; ``K =
       topk.selection_size(size, density=density, block_size=block_size)``.
     block_size: elements per top-k block.
-    entries_at_once: window entries whose directions are computed at once;
-      more go through a loop over chunks of blocks (the same numbers, with
-      temporaries of a bounded size).
+    entries_at_once: window entries whose directions are computed at once
+      (default ``WINDOW_ENTRIES_AT_ONCE``); more go through a loop over
+      chunks of blocks (the same numbers, with temporaries of a bounded
+      size).
 
   Returns:
     The float32 update, flat, of shape ``(size,)``.
