@@ -21,6 +21,9 @@ memory-bound, so two figures of that program say what a user gets:
 * **peak**: arguments + outputs - aliased + temporaries of the donated step
   (``Compiled.memory_analysis``); beyond parameters, gradients and state,
   what is left is the step's temporaries.
+* **collectives**, for a step sharded over several devices or hosts: the
+  bytes each kind of collective carries on one device
+  (:func:`collective_bytes`).
 
 Needs JAX's CUDA plugin at the project's JAX version
 (``pip install "optax-memopt[gpu-compile]"``); a driver or GPU is not
