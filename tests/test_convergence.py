@@ -319,3 +319,61 @@ def test_8bit_adamw_forgets_the_second_moment_of_gradients_tiny_beside_their_blo
   assert adam["layer"] < 1.0
   assert eight_bit["layer"] > 100 * adam["layer"]
   assert remedy["lm_head"] == pytest.approx(adam["lm_head"], rel=1e-4) and remedy["layer"] == eight_bit["layer"]
+
+
+def bf16_run(optimizer, exponent, rounding, seed, loss):
+  return {
+    "optimizer": optimizer,
+    "exponent": exponent,
+    "rounding": rounding,
+    "seed": seed,
+    "learning_rate": 1e-3 * 3.0**exponent,
+    "validation_loss": loss,
+    "diverged_at_step": None,
+    "final_train_loss": loss - 0.4,
+    "ms_per_step": 20.0,
+    "seconds": 10.0,
+  }
+
+
+def test_the_bfloat16_table_runs_each_optimizer_at_its_best_float32_rate_and_gaps_it_seed_by_seed():
+  """Gaps to the optimizer's own float32 runs at the same rate and seeds, with the standard error of the differences."""
+  from benchmarks import convergence_bf16 as bf16
+
+  assert bf16.SEEDS == SEEDS
+  reference = fake_results(sweep("adamw", {0: 2.0, 1: 1.9, 2: 2.1}) + sweep("other", {-1: 2.2, 0: 2.3, 1: 2.4}))
+  Case = bf16.Case
+  assert bf16.cases(reference, ["adamw", "other", "not_swept"]) == [
+    Case("adamw", 1, "stochastic"),
+    Case("adamw", 1, "nearest"),
+    Case("adamw", -1, "stochastic"),
+    Case("adamw", -1, "nearest"),
+    *[Case(bf16.FLOAT32_MOMENTS, e, r) for e in (-1, 1) for r in ("stochastic", "nearest")],
+    Case("other", -1, "stochastic"),
+  ]
+  float32 = {s: 1.9 + offset for s, offset in zip(SEEDS, (0.0, 0.01, -0.01))}
+  stochastic = [bf16_run("adamw", 1, "stochastic", s, float32[s] + d) for s, d in zip(SEEDS, (0.004, 0.006, 0.011))]
+  nearest = [bf16_run("adamw", 1, "nearest", s, float32[s] + d) for s, d in zip(SEEDS, (0.05, 0.06, 0.07))]
+  results = {"protocol": bf16.protocol_json(), "runs": stochastic + nearest}
+  # Differences 0.004, 0.006, 0.011: mean 0.007, sample deviation sqrt(26e-6 / 2), over sqrt(3): 0.00208.
+  # The losses 1.904, 1.916, 1.901: deviation sqrt(126e-6 / 2), over sqrt(3): 0.00458.
+  assert bf16.render(results, reference, ["adamw", "other"]).splitlines()[4:] == [
+    "| adamw | 3.0e-03 (x3) | stochastic rounding | 1.907 ± 0.005 | 1.900 ± 0.006 | +0.007 ± 0.002 | yes |",
+    "| adamw | 3.0e-03 (x3) | round-to-nearest | 1.960 ± 0.006 | 1.900 ± 0.006 | +0.060 ± 0.006 | no |",
+  ]
+  assert "Partial (not run yet: adamw x1/3 stochastic, adamw x1/3 nearest, adamw_float32_moments x1/3 stochastic," in (
+    bf16.render(results, reference, ["adamw", "other"])
+  )
+  # AdamW with float32 moments compares with AdamW's float32-parameter runs.
+  moments = [bf16_run(bf16.FLOAT32_MOMENTS, 1, "nearest", s, float32[s] + 0.02) for s in SEEDS]
+  results["runs"] += moments
+  assert bf16.render(results, reference, ["adamw"]).splitlines()[6] == (
+    "| adamw_float32_moments | 3.0e-03 (x3) | round-to-nearest | 1.920 ± 0.006 | 1.900 ± 0.006 | +0.020 ± 0.000 | no |"
+  )
+
+
+def test_the_bfloat16_table_is_rendered_from_the_committed_results(committed):
+  from benchmarks import convergence_bf16 as bf16
+
+  results = json.loads(bf16.RESULTS.read_text())
+  assert bf16.render(results, committed) in (ROOT / "benchmarks" / "README.md").read_text()
