@@ -91,13 +91,19 @@ def _check_hyperparameters(
 
 
 def _whole_blocks(size: int, block_size: int, bucket_size: int) -> bool:
-  """Whether a tensor of ``size`` elements is whole top-k blocks, each of whole buckets and packed code rows.
+  """Whether a tensor of ``size`` elements is whole top-k blocks that divide over the devices.
 
-  Then every part of its step (selection, error codes and statistics, the
-  window's update) lies within blocks, and a shard of whole blocks can take
-  its step alone (:func:`_block_local_step`).
+  Each block is whole buckets and packed code rows, so every part of its
+  step (selection, error codes and statistics, the window's update) lies
+  within blocks, and a shard of whole blocks can take its step alone
+  (:func:`_block_local_step`). A tensor of fewer blocks than some sharding
+  of it would cut (its blocks not a multiple of the devices) takes the step
+  unpartitioned: its blocks would straddle shards, and the custom
+  partitioning would leave its state laid out unlike its declared layout.
   """
-  return size > 0 and size % block_size == 0 and block_size % bucket_size == 0 and block_size % quantize.ROW == 0
+  if not (size > 0 and size % block_size == 0 and block_size % bucket_size == 0 and block_size % quantize.ROW == 0):
+    return False
+  return (size // block_size) % jax.device_count() == 0
 
 
 # Operands and results of one tensor's step: the flat gradient and direction,

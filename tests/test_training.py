@@ -117,7 +117,7 @@ def test_the_default_run_compares_adamw_with_a_compressed_optimizer(tmp_path, ca
   ratio = adamw["state_bytes"] / microadam["state_bytes"]
   assert f"| microadam | {microadam['final_train_loss']:.3f} | {microadam['validation_loss']:.3f} | {gap:+.3f}" in out
   assert f"| {ratio:.1f}x |" in out
-  assert "--compare alone trains all 11 (about" in out
+  assert "--compare alone trains all 12 (about" in out
 
 
 def test_each_run_writes_its_own_folder_and_says_when_it_replaces_one(tmp_path, capsys):
