@@ -385,7 +385,11 @@ def scale_by_microadam(
         gradient = gradient.astype(jnp.float32)
       hyper = (count, *(jnp.asarray(h, jnp.float32) for h in (b1, b2, eps)))
       # The Pallas interpreter (tests on CPUs) calls back to the host, which custom_partitioning does not take.
-      if _whole_blocks(gradient.size, block_size, bucket_size) and implementation != "interpret":
+      if (
+        _whole_blocks(gradient.size, block_size, bucket_size)
+        and implementation != "interpret"
+        and sharding.PARTITIONS_KERNEL_STEPS
+      ):
         direction, *state = _block_local_step(
           flat_step, gradient, indices, values, *error, *hyper, window=window, block_size=block_size
         )

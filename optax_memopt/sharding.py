@@ -397,6 +397,16 @@ def _split_explicit_axes(mesh: Any) -> tuple[str, ...]:
   )
 
 
+# Whether the steps whose kernels XLA cannot partition (MicroAdam's, TACO's
+# selection) are partitioned along their blocks by ``custom_partitioning``.
+# The JAX versions CI tests differ: JAX 0.10 partitions them; JAX 0.12 refuses
+# ``custom_partitioning`` when it lowers for another platform without devices
+# (an abstract mesh), which is how kernels are lowered for CUDA on a CPU host.
+# Elsewhere those steps take the unpartitioned program: the same numbers, with
+# the partitioner gathering a sharded tensor's blocks around the kernels.
+PARTITIONS_KERNEL_STEPS = jax.__version_info__[:2] <= (0, 10)
+
+
 def without_internal_refs(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` with the refs it creates inside (the in-place Mosaic GPU kernels' operands) turned into values.
 

@@ -257,7 +257,7 @@ def _column_select_by_rows(grads, tracked, offsets, *, keep: int, implementation
     return selection.index, selection.value
 
   # The Pallas interpreter (tests on CPUs) calls back to the host, which custom_partitioning does not take.
-  if tracked.shape[-1] == 0 or implementation == "interpret":
+  if tracked.shape[-1] == 0 or implementation == "interpret" or not sharding.PARTITIONS_KERNEL_STEPS:
     return select(grads, tracked, offsets)
 
   def partition(mesh, arg_shapes, result_shape):
