@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from optax_memopt import fit
 from optax_memopt.training import model
 
 MODELS = {
@@ -16,22 +17,11 @@ MODELS = {
   "40M": model.TransformerConfig(dim=640, n_layers=8, n_heads=10, n_kv_heads=5, ffn_dim=1792, max_len=256),
   # Hundreds of millions: step time on a GPU, where tens of millions are launch-bound.
   "300M": model.TransformerConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816, max_len=256),
-  # Llama-2-7B: only ever built abstractly, with jax.eval_shape.
-  "llama2_7b": model.TransformerConfig(
-    vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, max_len=4096
-  ),
-  # Llama-3-8B: a 128K-token vocabulary, so the embedding and the head are
-  # 525M parameters each (13% of the model); abstract only.
-  "llama3_8b": model.TransformerConfig(
-    vocab_size=128256,
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=8,
-    ffn_dim=14336,
-    max_len=8192,
-    rope_base=500_000.0,
-  ),
+  # The planner's published Llama configurations (``optax_memopt.fit.MODELS``),
+  # only ever built abstractly, with jax.eval_shape. Llama-3-8B's 128K-token
+  # vocabulary makes the embedding and the head 525M parameters each.
+  "llama2_7b": fit.MODELS["llama2_7b"],
+  "llama3_8b": fit.MODELS["llama3_8b"],
 }
 
 
