@@ -1,11 +1,14 @@
-"""MicroAdam's kernels against their XLA paths: same answer, and how fast.
+"""Every Pallas kernel against its XLA path: same answer, and how fast.
 
-The two kernels MicroAdam's step runs on a Hopper GPU by default
-(``pallas_kernels.error_feedback``), at its defaults (4-bit error feedback
-in buckets of 1024, top-k blocks of 16384 at density 0.01):
+The kernels the optimizers' steps run on a Hopper GPU by default: MicroAdam's
+two (``pallas_kernels.error_feedback``), at its defaults (4-bit error
+feedback in buckets of 1024, top-k blocks of 16384 at density 0.01):
 ``feedback_topk`` (Triton: the gradient plus the decoded error, its block
 top-k) and ``requantize_unselected`` (Mosaic GPU: the error feedback with
-the selection zeroed, re-encoded in place).
+the selection zeroed, re-encoded in place); and TACO's ``column_select``
+(Mosaic GPU) on bfloat16 rows of 4096: each row's largest entry
+(``argmax``) and TACO's default, rows in 16 parts of 256 with one tracked
+heavy hitter each (``one_per_part``).
 
 On a GPU this is the readiness check: each op runs with
 ``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import error_feedback, quantize, topk
+from pallas_kernels import column_select, error_feedback, quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
@@ -83,6 +86,19 @@ def _with_selection(key, n):
   return (q, y, *_select(q, y, "xla"))
 
 
+def _rows(key, n, parts: tuple[int, ...]):
+  """``n`` bfloat16 gradient entries as rows of 4096 split as ``parts``."""
+  return (_normal(key, n, jnp.bfloat16).reshape(-1, *parts),)
+
+
+def _rows_tracked(key, n):
+  """TACO's default layout, one tracked column per 256-wide part with its offset."""
+  (grads,) = _rows(key, n, (16, 256))
+  tracked = jax.random.randint(jax.random.fold_in(key, 1), (*grads.shape[:-1], 1), 0, 256).astype(jnp.int16)
+  offsets = _normal(jax.random.fold_in(key, 2), tracked.size).reshape(tracked.shape)
+  return grads, tracked, offsets
+
+
 def _cases() -> list[KernelCase]:
   codes = lambda n: n * BITS // 8
   return [
@@ -110,6 +126,20 @@ def _cases() -> list[KernelCase]:
       ),
       # Reads the gradient, the selection, the codes and statistics; writes new codes and statistics.
       lambda n: 4 * n + _selection_bytes(n) + 2 * (codes(n) + _statistics_bytes(n)),
+    ),
+    KernelCase(
+      "column_select argmax",
+      lambda key, n: _rows(key, n, (4096,)),
+      lambda g, implementation: column_select.column_select(g, keep=1, implementation=implementation),
+      # Reads the bfloat16 rows; writes each row's int32 index and float32 value.
+      lambda n: 2 * n + 8 * (n // 4096),
+    ),
+    KernelCase(
+      "column_select one_per_part",
+      _rows_tracked,
+      lambda g, t, o, implementation: column_select.column_select(g, t, o, keep=1, implementation=implementation),
+      # Reads the rows, each part's int16 tracked column and float32 offset; writes its index and value.
+      lambda n: 2 * n + 6 * (n // 256) + 8 * (n // 256),
     ),
   ]
 

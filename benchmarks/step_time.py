@@ -13,9 +13,17 @@ a GPU) the methods with kernels are timed once per implementation, against
 the same adamw baseline. ``--optimizers`` also takes the steps of
 ``PROBES`` (``galore_svd_step``: GaLore's step that recomputes its
 projections, which the ``galore`` row, timed on steps 3 to 22, never takes).
-Writes the rows with the machine and the command to
-``--json`` (``results/step_time.json``; benchmarks/README.md's table is
-``--render`` of the committed ``benchmarks/data/step_time.json``).
+With ``--param-dtypes float32 bfloat16`` each model is also timed with
+bfloat16 parameters and gradients: ``optax.adamw`` as it is (round to
+nearest, the baseline of the bfloat16 rows), then every optimizer, ``adamw``
+too, followed by ``optax_memopt.stochastic_rounding`` as a user runs it.
+With ``--bandwidth`` (TB/s) each row also gives the bytes per parameter that
+the compiled program moves (``optax_memopt.gpu_compile.bytes_moved`` of the
+program timed), the time those bytes take at that bandwidth, and the
+measured time over it. Writes the rows with the machine and the command to
+``--json`` (``results/step_time.json``) after each model and dtype, so that a
+run stopped early keeps what it measured; benchmarks/README.md's tables are
+``--render`` of the committed files.
 
     python -m benchmarks.step_time --models 10M 40M --repeats 10 --json benchmarks/data/step_time.json
     python -m benchmarks.step_time --render benchmarks/data/step_time.json
@@ -37,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import optax_memopt
 from benchmarks import shapes
+from optax_memopt import gpu_compile
 from optax_memopt.training import optimizers
 
 # Steps timed beside the registry's, by name: GaLore's step that recomputes its
@@ -72,8 +82,15 @@ class Timed:
   """One optimizer's compiled step with its running params and state, and its step times."""
 
   def __init__(self, optimizer, params, grads):
+    start = time.perf_counter()
     self.compiled, self.state = compile_step(optimizer, params, grads)
+    self.compile_seconds = time.perf_counter() - start
     self.temp_bytes = temporary_bytes(self.compiled)
+    try:
+      self.bytes_moved = gpu_compile.bytes_moved(self.compiled.as_text())
+    except Exception as e:  # A program the counter cannot read is still timed.
+      print(f"bytes not counted: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+      self.bytes_moved = None
     self.params = params
     self.seconds: list[float] = []
     for _ in range(2):  # Warm-up steps, not timed.
@@ -94,27 +111,55 @@ class Timed:
     self.seconds.append(time.perf_counter() - start)
 
 
-HEADER = (
-  "| model | params | optimizer | implementation | ms/step | ratio to adamw | temp MB |\n|---|---|---|---|---|---|---|"
-)
+def header(bandwidth: float | None) -> str:
+  columns = ["model", "params", "param dtype", "optimizer", "implementation", "rounding", "ms/step", "ratio to adamw"]
+  if bandwidth:
+    columns += ["bytes/param", f"ms at {bandwidth:g} TB/s", "measured / bytes' time"]
+  columns.append("temp MB")
+  return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
 
 
-def table_row(row: dict) -> str:
-  return (
-    f"| {row['model']} | {row['n_params']:,} | {row['optimizer']} | {row['implementation']} |"
-    f" {row['ms_per_step']:.1f} | {row['ratio_to_adamw']:.2f}x | {row['temp_bytes'] / 2**20:.1f} |"
-  )
+def table_row(row: dict, bandwidth: float | None) -> str:
+  cells = [
+    row["model"],
+    f"{row['n_params']:,}",
+    row.get("param_dtype", "float32"),
+    row["optimizer"],
+    row["implementation"],
+    row.get("rounding", "-"),
+    f"{row['ms_per_step']:.2f}",
+    f"{row['ratio_to_adamw']:.2f}x",
+  ]
+  if bandwidth and row["bytes_moved"] is None:
+    cells += ["-", "-", "-"]
+  elif bandwidth:
+    predicted_ms = 1e3 * row["bytes_moved"] / (bandwidth * 1e12)
+    cells += [
+      f"{row['bytes_moved'] / row['n_params']:.1f}",
+      f"{predicted_ms:.2f}",
+      f"{row['ms_per_step'] / predicted_ms:.2f}",
+    ]
+  cells.append(f"{row['temp_bytes'] / 2**20:.1f}")
+  return "| " + " | ".join(cells) + " |"
 
 
 def render(results: dict) -> str:
   """The markdown table of a results file: where and how it was measured, then a row per step."""
+  bandwidth = results.get("bandwidth_tb_s")
   lines = [
     f"`{results['command']}` ({results['machine']}, {results['date']}; JAX {results['jax']}).",
     "",
-    HEADER,
-    *(table_row(row) for row in results["rows"]),
+    header(bandwidth),
+    *(table_row(row, bandwidth) for row in results["rows"]),
   ]
   return "\n".join(lines)
+
+
+def steps_to_time(names: list[str], param_dtype: str) -> list[tuple[str, str]]:
+  """(optimizer, rounding) in table order, the baseline first: plain adamw, then each optimizer rounded if bfloat16."""
+  if param_dtype == "float32":
+    return [(name, "-") for name in names]
+  return [("adamw", "nearest")] + [(name, "stochastic") for name in names]
 
 
 def main(argv=None) -> None:
@@ -128,7 +173,18 @@ def main(argv=None) -> None:
     choices=["auto", "xla", "pallas"],
     help="kernel paths to time; auto: Pallas on a Hopper-or-newer GPU, XLA elsewhere",
   )
+  parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument(
+    "--compile-budget",
+    type=float,
+    help="seconds: once compiling has taken this long, time the steps compiled and list the rest as left out",
+  )
+  parser.add_argument(
+    "--bandwidth",
+    type=float,
+    help="memory bandwidth in TB/s (an H200's: 4.8): adds each step's bytes and the time they take at it",
+  )
   parser.add_argument(
     "--json",
     type=pathlib.Path,
@@ -149,57 +205,69 @@ def main(argv=None) -> None:
     parser.error("--repeats must be >= 1")
   names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
   implementations = [None if i == "auto" else i for i in args.implementations]
-
-  rows = []
-  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
-  print(HEADER)
-  for model in args.models:
-    params = shapes.params(model)
-    grads = shapes.gradients(params)
-    timed = []  # (name, path, Timed) in table order, adamw first.
-    for name in names:
-      spec = PROBES[name] if name in PROBES else optimizers.get(name)
-      for implementation in implementations if spec.has_kernels else [None]:
-        fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
-        options = {"implementation": implementation} if spec.has_kernels else {}
-        optimizer = spec.build(1e-3, shapes.MODELS[model], **options)
-        # "default": each op's own choice (benchmarks/README.md says which on a GPU).
-        path = (implementation or "default") if spec.has_kernels else "xla"
-        try:
-          timed.append((name, path, Timed(optimizer, fresh, grads)))
-        except Exception as e:  # One row per optimizer, whatever happens.
-          print(
-            f"| {model} | {shapes.count(params):,} | {name} | {path} |"
-            f" {type(e).__name__}: {str(e).splitlines()[0][:120]} | - | - |",
-            flush=True,
-          )
-    for _ in range(args.repeats):
-      for _, _, entry in timed:
-        entry.step(grads)
-    baseline = timed[0][2].seconds
-    for name, path, entry in timed:
-      ratio = statistics.median(s / b for s, b in zip(entry.seconds, baseline))
-      row = {
-        "model": model,
-        "n_params": shapes.count(params),
-        "optimizer": name,
-        "implementation": path,
-        "ms_per_step": 1e3 * statistics.median(entry.seconds),
-        "ratio_to_adamw": ratio,
-        "temp_bytes": entry.temp_bytes,
-      }
-      rows.append(row)
-      print(table_row(row), flush=True)
-    del timed
+  if args.bandwidth is not None and args.bandwidth <= 0:
+    parser.error("--bandwidth must be positive")
   results = {
     "command": "python -m benchmarks.step_time " + shlex.join(argv if argv is not None else sys.argv[1:]),
     "machine": args.machine,
     "date": datetime.date.today().isoformat(),
     "jax": jax.__version__,
-    "rows": rows,
+    "bandwidth_tb_s": args.bandwidth,
+    "rows": [],
   }
-  args.json.parent.mkdir(parents=True, exist_ok=True)
-  args.json.write_text(json.dumps(results, indent=1) + "\n")
+  print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
+  print(header(args.bandwidth))
+  started = time.perf_counter()
+  for model in args.models:
+    for param_dtype in args.param_dtypes:
+      params = jax.tree.map(lambda x: x.astype(param_dtype), shapes.params(model))
+      grads = shapes.gradients(params)
+      timed = []  # (name, path, rounding, Timed) in table order, the baseline first.
+      for name, rounding in steps_to_time(names, param_dtype):
+        spec = PROBES[name] if name in PROBES else optimizers.get(name)
+        for implementation in implementations if spec.has_kernels else [None]:
+          if args.compile_budget is not None and time.perf_counter() - started > args.compile_budget:
+            left_out = f"{model} {param_dtype} {name} {implementation or 'default'}"
+            print(f"left out (--compile-budget {args.compile_budget:g}s spent): {left_out}")
+            continue
+          fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
+          options = {"implementation": implementation} if spec.has_kernels else {}
+          optimizer = spec.build(1e-3, shapes.MODELS[model], **options)
+          if rounding == "stochastic":
+            optimizer = optax_memopt.with_stochastic_rounding(optimizer)
+          # "default": each op's own choice (benchmarks/README.md says which on a GPU).
+          path = (implementation or "default") if spec.has_kernels else "xla"
+          try:
+            timed.append((name, path, rounding, Timed(optimizer, fresh, grads)))
+          except Exception as e:  # One row per optimizer, whatever happens.
+            print(
+              f"| {model} | {shapes.count(params):,} | {param_dtype} | {name} | {path} | {rounding} |"
+              f" {type(e).__name__}: {str(e).splitlines()[0][:120]} |",
+              flush=True,
+            )
+      for _ in range(args.repeats):
+        for *_, entry in timed:
+          entry.step(grads)
+      baseline = timed[0][-1].seconds
+      for name, path, rounding, entry in timed:
+        row = {
+          "model": model,
+          "n_params": shapes.count(params),
+          "param_dtype": param_dtype,
+          "optimizer": name,
+          "implementation": path,
+          "rounding": rounding,
+          "ms_per_step": 1e3 * statistics.median(entry.seconds),
+          "ratio_to_adamw": statistics.median(s / b for s, b in zip(entry.seconds, baseline)),
+          "bytes_moved": entry.bytes_moved,
+          "temp_bytes": entry.temp_bytes,
+          "compile_seconds": entry.compile_seconds,
+        }
+        results["rows"].append(row)
+        print(table_row(row, args.bandwidth), flush=True)
+      del timed, params, grads
+      args.json.parent.mkdir(parents=True, exist_ok=True)
+      args.json.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
