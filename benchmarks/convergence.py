@@ -44,8 +44,8 @@ import time
 import flax.serialization
 import numpy as np
 
-from optax_memopt.__main__ import MODEL_SIZES, learning_rate_schedule
-from optax_memopt.training import data, loop, model, optimizers, report
+from memopt_tools.main_job import MODEL_SIZES, learning_rate_schedule
+from memopt_tools.training import data, loop, model, optimizers, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "data" / "convergence.json"

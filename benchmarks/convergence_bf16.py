@@ -44,8 +44,8 @@ import optax
 
 import optax_memopt
 from benchmarks import convergence
-from optax_memopt.__main__ import learning_rate_schedule
-from optax_memopt.training import loop, optimizers
+from memopt_tools.main_job import learning_rate_schedule
+from memopt_tools.training import loop, optimizers
 
 RESULTS = convergence.ROOT / "benchmarks" / "data" / "convergence_bf16.json"
 SIZE, TASK = "small", "finetune"

@@ -2,7 +2,7 @@
 
 No GPU is needed: XLA compiles the donated step (update, then
 ``optax.apply_updates``) for an H100 target description
-(``optax_memopt.gpu_compile``). On Llama-2-7B-shaped parameters (``--layers``
+(``memopt_tools.gpu_compile``). On Llama-2-7B-shaped parameters (``--layers``
 of its 32 decoder layers, with its embedding and head) it prints, per
 parameter: the state, the bytes the step moves, those as a ratio to
 ``optax.adamw``'s on the same parameters, the step's peak, and its
@@ -12,7 +12,7 @@ Pallas kernel on (``implementation="pallas"``). ``--model llama3_8b`` takes
 Llama-3-8B's shapes instead, whose 128K-token vocabulary makes the embedding
 and the head 525M parameters each: the step's temporaries where one tensor is
 a large share of the model. ``--target h200`` or ``b200`` compiles for that GPU
-instead (``optax_memopt.gpu_compile.TARGETS``).
+instead (``memopt_tools.gpu_compile.TARGETS``).
 
 ``--stochastic-rounding`` also compiles, with bfloat16 parameters, each
 optimizer followed by stochastic rounding
@@ -48,8 +48,8 @@ from flax import nnx  # noqa: E402
 
 import optax_memopt  # noqa: E402
 from benchmarks import shapes  # noqa: E402
-from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
-from optax_memopt.training import model, optimizers  # noqa: E402
+from memopt_tools import gpu_compile  # First: it sets the CUDA plugin's environment.
+from memopt_tools.training import model, optimizers  # noqa: E402
 
 # A rise over a committed figure that fails the check: 5%, plus 0.005 bytes
 # per parameter so that a figure near zero (AdamW's temporaries) does not

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import shapes
-from optax_memopt.training import optimizers
+from memopt_tools.training import optimizers
 
 # Relative update difference above which a row counts as disagreement.
 UPDATE_TOLERANCE = 1e-2

@@ -2,7 +2,7 @@
 
 Each kernel's lowering example (``pallas_kernels.check_lowering``) is
 compiled, on any machine, for an H100 and for a B200 description
-(``optax_memopt.gpu_compile``): XLA compiles the program through ptxas for
+(``memopt_tools.gpu_compile``): XLA compiles the program through ptxas for
 the target's architecture, as on the GPU. A Mosaic GPU kernel's own ptxas
 report is written where ``MOSAIC_GPU_DUMP_TO`` says (with
 ``MOSAIC_GPU_DUMP_PTXAS=1``); a Triton kernel is compiled by XLA into the
@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import jax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
+from memopt_tools import gpu_compile  # First: it sets the CUDA plugin's environment.
 from pallas_kernels import _backend, check_lowering  # noqa: E402
 
 # The targets compiled for, by the architecture ptxas compiles for.

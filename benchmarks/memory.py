@@ -21,7 +21,7 @@ as ``benchmarks/README.md`` quotes it.
 
 ``--one-gpu`` prints README's answer to "which optimizer lets Llama-3-8B
 train on one 80 GB H100?": per optimizer, parameters + gradients + state
-(``optax_memopt.fit.report``) and what is left for activations, with
+(``memopt_tools.fit.report``) and what is left for activations, with
 float32 and with bfloat16 parameters and gradients.
 
     python -m benchmarks.memory --one-gpu
@@ -37,8 +37,9 @@ import jax
 import optax
 
 from benchmarks import shapes
-from optax_memopt import fit, state_nbytes
-from optax_memopt.training import optimizers
+from memopt_tools import fit
+from memopt_tools.training import optimizers
+from optax_memopt import state_nbytes
 
 # Optimizer state of Llama-2-7B as the papers report it. The MicroAdam paper's
 # "GB" are binary (its 5.65 is 0.9 bytes x 6.74e9 parameters in GiB); the
@@ -112,7 +113,7 @@ def render_step_peak(results: dict) -> str:
 def one_gpu_table(model: str = "llama3_8b", memory: str = "80GiB") -> str:
   """Markdown: per optimizer, ``model``'s parameters + gradients + state on one device, and what is left.
 
-  From :func:`optax_memopt.fit.report` with float32 and with bfloat16
+  From :func:`memopt_tools.fit.report` with float32 and with bfloat16
   parameters (gradients in the parameters' dtype). Of the AdamW rows,
   ``adamw`` keeps float32 ``m`` and ``v`` whatever the parameters are, and
   ``adamw_bf16`` is ``optax.adamw`` on bfloat16 parameters (its ``m`` and

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 
 from benchmarks import shapes, step_time
-from optax_memopt.training import optimizers
+from memopt_tools.training import optimizers
 
 # "%name = shape opcode(...)" in the text of a compiled module; a tuple shape has spaces.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$", re.MULTILINE)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from optax_memopt import fit
-from optax_memopt.training import model
+from memopt_tools import fit
+from memopt_tools.training import model
 
 MODELS = {
   # The main job's default model.
@@ -17,7 +17,7 @@ MODELS = {
   "40M": model.TransformerConfig(dim=640, n_layers=8, n_heads=10, n_kv_heads=5, ffn_dim=1792, max_len=256),
   # Hundreds of millions: step time on a GPU, where tens of millions are launch-bound.
   "300M": model.TransformerConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816, max_len=256),
-  # The planner's published Llama configurations (``optax_memopt.fit.MODELS``),
+  # The planner's published Llama configurations (``memopt_tools.fit.MODELS``),
   # only ever built abstractly, with jax.eval_shape. Llama-3-8B's 128K-token
   # vocabulary makes the embedding and the head 525M parameters each.
   "llama2_7b": fit.MODELS["llama2_7b"],

@@ -1,7 +1,7 @@
 """Every optimizer's step sharded over many H100s, compiled on this machine: what crosses devices, and each one's peak.
 
 No GPU is needed: XLA compiles the donated step (update, then
-``optax.apply_updates``) for H100 target devices (``optax_memopt.gpu_compile``):
+``optax.apply_updates``) for H100 target devices (``memopt_tools.gpu_compile``):
 one host of 8 and two hosts of 8, the parameters (Llama-2-7B's embedding,
 head and ``--layers`` decoder layers, float32) sharded FSDP-style on a
 dimension the devices divide, the state by ``optax_memopt.state_shardings``;
@@ -36,8 +36,8 @@ import time
 import jax
 
 from benchmarks import h100_compile, shapes  # noqa: E402
-from optax_memopt import gpu_compile  # noqa: E402  (benchmarks.h100_compile imports it first: the CUDA environment)
-from optax_memopt.training import optimizers  # noqa: E402
+from memopt_tools import gpu_compile  # noqa: E402  (benchmarks.h100_compile imports it first: the CUDA environment)
+from memopt_tools.training import optimizers  # noqa: E402
 
 # The step's collectives may carry at most this share of the parameter bytes a
 # device holds (a scalar reduction, or a few per-row statistics, is far below).

@@ -36,9 +36,9 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import shapes
+from memopt_tools.training import optimizers
 from optax_memopt import state_nbytes
 from optax_memopt.sharding import owners, state_shardings
-from optax_memopt.training import optimizers
 
 MESH_AXES = ("fsdp", "tp")
 DEVICE_COUNTS = (1, 2, 4, 8)

@@ -47,8 +47,8 @@ import optax
 
 import optax_memopt
 from benchmarks import shapes
-from optax_memopt import gpu_compile
-from optax_memopt.training import optimizers
+from memopt_tools import gpu_compile
+from memopt_tools.training import optimizers
 
 # Steps timed beside the registry's, by name: GaLore's step that recomputes its
 # projections (an SVD of every matrix's gradient), which optax's default takes

@@ -1,11 +1,11 @@
 """Will Llama-2-7B or Llama-3-8B fine-tune on one H100, H200 or B200? Each training step compiled for the GPU.
 
 For each model, GPU, optimizer and batch size, the whole training step of the
-built-in Llama (``optax_memopt.training.model``: forward, backward,
+built-in Llama (``memopt_tools.training.model``: forward, backward,
 optimizer, ``optax.apply_updates``) is compiled by XLA for one GPU of
-``optax_memopt.gpu_compile.TARGETS`` on this machine, as
+``memopt_tools.gpu_compile.TARGETS`` on this machine, as
 ``python -m optax_memopt.fit --model M --compile T --batch B`` does
-(``optax_memopt.train_compile``): XLA's peak, its parts, and whether it fits
+(``memopt_tools.train_compile``): XLA's peak, its parts, and whether it fits
 in the GPU's memory less the report's margin. A whole 7B/8B step takes a
 long compile: rows are added one run at a time, ``--json`` writing over the
 rows of an existing file with the same key.
@@ -32,12 +32,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from optax_memopt import (  # First: it sets the CUDA plugin's environment.
+from memopt_tools import (  # First: it sets the CUDA plugin's environment.
   fit,  # noqa: E402
   gpu_compile,
   train_compile,
 )
-from optax_memopt.training import loop, model, optimizers  # noqa: E402
+from memopt_tools.training import loop, model, optimizers  # noqa: E402
 
 # How the table names the models.
 MODELS = {"llama2_7b": "Llama-2-7B", "llama3_8b": "Llama-3-8B"}

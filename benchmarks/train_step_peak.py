@@ -33,8 +33,8 @@ import optax
 from flax import nnx
 
 from benchmarks import shapes
-from optax_memopt import train_compile  # First: it sets the CUDA plugin's environment.
-from optax_memopt.training import loop, model
+from memopt_tools import train_compile  # First: it sets the CUDA plugin's environment.
+from memopt_tools.training import loop, model
 
 
 def _in_use(device) -> int:

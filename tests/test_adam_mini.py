@@ -358,7 +358,7 @@ def test_integer_parameter_is_refused_at_init_naming_it():
 
 
 def test_trains_the_small_transformer_about_as_well_as_adamw():
-  from optax_memopt.training import loop, model
+  from memopt_tools.training import loop, model
 
   config = model.TransformerConfig()
   run = dict(steps=120, batch_size=8, seq_len=64, seed=0)

@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 
 import optax_memopt
+from memopt_tools.training import model
 from optax_memopt import BlockRule
-from optax_memopt.training import model
 
 CONFIG = model.TransformerConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 

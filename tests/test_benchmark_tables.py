@@ -142,7 +142,7 @@ def test_the_sharded_compile_tables_are_rendered_from_the_results():
 
 def test_stochastic_rounding_adds_no_pass_to_any_bfloat16_step():
   """Each optimizer's committed bfloat16 step followed by stochastic rounding moves what it moves without (+0.01)."""
-  from optax_memopt.training import optimizers
+  from memopt_tools.training import optimizers
 
   rows = H100_RESULTS["rows"]["bfloat16"]
   assert set(optimizers.OPTIMIZERS) <= {name for name, row in rows.items() if "stochastic_rounding" in row}

@@ -10,8 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from optax_memopt import fit
-from optax_memopt.training import optimizers
+from memopt_tools import fit
+from memopt_tools.training import optimizers
 
 # Published parameter counts (Touvron et al. 2023, the Hugging Face checkpoints).
 LLAMA2_7B_PARAMS = 6_738_415_616

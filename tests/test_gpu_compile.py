@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_memopt import gpu_compile
+from memopt_tools import gpu_compile
 
 
 def _plugin_present() -> bool:
@@ -353,7 +353,7 @@ def test_peak_report_on_eval_shape_params_and_the_planners_option():
     [
       sys.executable,
       "-m",
-      "optax_memopt.fit",
+      "memopt_tools.fit",
       "--model",
       "tiny",
       "--compile",

@@ -438,7 +438,7 @@ def test_pallas_kernels_in_interpreter_match_xla(seed):
 
 
 def test_trains_a_small_transformer_nearly_as_well_as_adamw(seed):
-  from optax_memopt.training import loop, model
+  from memopt_tools.training import loop, model
 
   settings = dict(steps=200, batch_size=8, seq_len=64, seed=seed)
   config = model.TransformerConfig()

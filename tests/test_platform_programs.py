@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optax_memopt.training.optimizers import OPTIMIZERS
+from memopt_tools.training.optimizers import OPTIMIZERS
 from pallas_kernels import _backend, dispatch, xla_cpu
 
 # The ops with kernels the default step of each registered optimizer calls, and their kernels' custom calls.

@@ -53,7 +53,7 @@ def test_the_documents_have_their_examples():
 
 
 def _cuda_plugin_missing() -> bool:
-  from optax_memopt import gpu_compile
+  from memopt_tools import gpu_compile
 
   try:
     gpu_compile.target_devices()

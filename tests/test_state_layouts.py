@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_memopt
 from benchmarks import shapes
+from memopt_tools.training import optimizers
 from optax_memopt import sharding
-from optax_memopt.training import optimizers
 
 MESH = AbstractMesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 PARAMS = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32)}

@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import optax_memopt
+from memopt_tools.training import loop, model
 from optax_memopt import MatrixAxes
-from optax_memopt.training import loop, model
 
 
 def numpy_direction(u, batch_dims=0, input_dims=1):

@@ -25,7 +25,7 @@ import pytest
 from flax import nnx
 
 import optax_memopt
-from optax_memopt.training import loop, model
+from memopt_tools.training import loop, model
 from tests import host_devices, oracles
 from tests.test_gpu_compile import gpu_compile, needs_plugin
 

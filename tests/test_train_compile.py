@@ -18,8 +18,8 @@ import optax
 import pytest
 from flax import nnx
 
-from optax_memopt import fit, gpu_compile, train_compile
-from optax_memopt.training import loop, model
+from memopt_tools import fit, gpu_compile, train_compile
+from memopt_tools.training import loop, model
 from tests.test_gpu_compile import needs_plugin
 
 IN, HIDDEN, OUT = 64, 256, 8

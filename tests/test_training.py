@@ -12,8 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from optax_memopt import __main__ as main_job
-from optax_memopt.training import data, loop, model, optimizers
+from memopt_tools import main_job
+from memopt_tools.training import data, loop, model, optimizers
 
 
 @pytest.mark.parametrize("corpus", sorted(data.CORPORA))

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 import optax_memopt
-from optax_memopt.training import loop, model
+from memopt_tools.training import loop, model
 
 
 def labels_by_path(labels) -> dict[str, str]:
@@ -40,7 +40,7 @@ def test_names_choose_the_tensors():
 
 
 def test_the_old_import_path_still_works_with_a_deprecation_warning():
-  from optax_memopt.training import optimizers
+  from memopt_tools.training import optimizers
 
   with pytest.warns(DeprecationWarning, match="optax_memopt.vocabulary.vocabulary_in_float32"):
     old = optimizers.vocabulary_in_float32

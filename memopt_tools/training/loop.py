@@ -13,9 +13,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from memopt_tools.training import data, model
 from optax_memopt.hyperparameters import check_int
 from optax_memopt.state_bytes import state_nbytes
-from optax_memopt.training import data, model
 
 Params = Any
 ProgressFn = Callable[[int, float, float], None]  # (step, loss, steps per second).

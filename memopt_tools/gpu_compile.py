@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
-from optax_memopt import gpu_targets  # noqa: E402
+from memopt_tools import gpu_targets  # noqa: E402
 from optax_memopt.sharding import split_spec, state_shardings  # noqa: E402
 
 # Descriptions in ``gpu_targets/``: Hopper H100 and H200 (sm_90a), Blackwell B200 (sm_100a).
@@ -82,7 +82,7 @@ def target_devices(target: str = "h100", devices: int = 1, hosts: int = 1) -> tu
     raise ValueError(f"hosts must be an integer >= 1; got {hosts!r}.")
   from jax.experimental.topologies import get_topology_desc
 
-  description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
+  description = resources.files("memopt_tools.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
   try:
     topology = get_topology_desc(target, "cuda", target_config=description, topology=f"1x{hosts}x{devices}")
   except (NotImplementedError, RuntimeError) as error:
@@ -529,7 +529,7 @@ def compile_step(
 
 def device_memory_bytes(target: str = "h100") -> int:
   """The memory of one ``target`` device, from its description."""
-  description = resources.files("optax_memopt.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
+  description = resources.files("memopt_tools.gpu_targets").joinpath(f"{target}.pbtxt").read_text()
   return int(re.search(r"^\s*device_memory_size:\s*(\d+)", description, flags=re.M).group(1))
 
 
@@ -598,7 +598,7 @@ def peak_report(
 ) -> PeakReport:
   """Every optimizer's step compiled for ``devices`` GPUs of ``target``: XLA's peak per device.
 
-  The planner's arithmetic (:func:`optax_memopt.fit.report`) counts
+  The planner's arithmetic (:func:`memopt_tools.fit.report`) counts
   parameters, gradients and state; the compiled program adds the step's
   temporaries, as XLA:GPU schedules and assigns them for a device of the
   target's memory.
@@ -608,7 +608,7 @@ def peak_report(
       ``jax.eval_shape`` of the model's initialisation).
     target: the GPU, one of :data:`TARGETS`.
     devices: GPUs of one host the step is sharded over, FSDP-style.
-    optimizer_names: entries of ``optax_memopt.training.optimizers.OPTIMIZERS``
+    optimizer_names: entries of ``memopt_tools.training.optimizers.OPTIMIZERS``
       (default: all of them).
     n_heads, n_kv_heads: the heads Adam-mini cuts fused query and key
       kernels into.
@@ -622,7 +622,7 @@ def peak_report(
   Raises:
     GpuCompilerMissing: where JAX's CUDA plugin is missing.
   """
-  from optax_memopt.training import optimizers
+  from memopt_tools.training import optimizers
 
   names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
   for name in names:

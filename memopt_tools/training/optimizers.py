@@ -117,7 +117,7 @@ def __getattr__(name: str) -> Any:
   # The remedy moved to the library (optax_memopt.vocabulary); the old names still import, with a warning.
   if name in ("vocabulary_in_float32", "VOCABULARY_NAMES"):
     warnings.warn(
-      f"optax_memopt.training.optimizers.{name} is deprecated; use optax_memopt.vocabulary.{name}"
+      f"memopt_tools.training.optimizers.{name} is deprecated; use optax_memopt.vocabulary.{name}"
       " (vocabulary_in_float32 is also optax_memopt.vocabulary_in_float32).",
       DeprecationWarning,
       stacklevel=2,

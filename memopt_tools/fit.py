@@ -1,6 +1,6 @@
 """Will my model fit? Bytes of parameters, gradients and optimizer state, per device.
 
-For every optimizer of :data:`optax_memopt.training.optimizers.OPTIMIZERS`
+For every optimizer of :data:`memopt_tools.training.optimizers.OPTIMIZERS`
 the state is built with ``jax.eval_shape(tx.init, params)``: shapes only,
 nothing is allocated, so Llama-2-13B is measured on a laptop in seconds. It
 is added to the parameters and to one set of gradients in the parameters'
@@ -36,11 +36,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 
-from optax_memopt import gpu_targets, leaves
+from memopt_tools import gpu_targets
+from memopt_tools.training import model, optimizers
+from optax_memopt import leaves
 from optax_memopt.sharding import split_spec, state_shardings
 from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.stochastic_rounding import ROUNDED_DTYPES, with_stochastic_rounding
-from optax_memopt.training import model, optimizers
 
 # Llama-style decoders in this library's Flax layout (``training.model``):
 # untied input embedding and output head, no biases, RMSNorm scales.
@@ -345,7 +346,7 @@ def report(
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from optax_memopt import fit
+    >>> from memopt_tools import fit
     >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
     >>> result = fit.report(params, memory="200MB", optimizer_names=["adamw", "microadam"])
     >>> result.row("adamw").state_bytes  # m and v in float32, plus the step count
@@ -455,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(_negative_values_attached(sys.argv[1:] if argv is None else argv))
   if args.compile:
     # Before JAX starts its backends: the module sets the CUDA plugin's environment.
-    from optax_memopt import gpu_compile
+    from memopt_tools import gpu_compile
 
     try:
       gpu_compile.target_devices(args.compile, max(args.devices, 1))
@@ -516,8 +517,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _print_training_step(args: argparse.Namespace, param_dtype: Any, memory: Memory | None) -> None:
   """The training-step table of ``fit --compile T --batch B``, and with ``--largest-batch`` the largest batch."""
-  from optax_memopt import gpu_compile, train_compile
-  from optax_memopt.training import loop
+  from memopt_tools import gpu_compile, train_compile
+  from memopt_tools.training import loop
 
   config = dataclasses.replace(MODELS[args.model], remat=args.remat)
   graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]

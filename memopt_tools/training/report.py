@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import optax
 
+from memopt_tools.training.loop import TrainResult
 from optax_memopt.state_bytes import state_nbytes
-from optax_memopt.training.loop import TrainResult
 
 
 def smoothed(losses: Sequence[float], window: int = 20) -> np.ndarray:

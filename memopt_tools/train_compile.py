@@ -8,7 +8,7 @@
   updates, state = tx.update(grads, state, params)
   params = optax.apply_updates(params, updates)
 
-for a GPU of :data:`optax_memopt.gpu_compile.TARGETS` from shapes alone
+for a GPU of :data:`memopt_tools.gpu_compile.TARGETS` from shapes alone
 (``jax.eval_shape`` results: nothing is allocated, no GPU is needed), and
 reads XLA's peak of the optimized program (``Compiled.memory_analysis``:
 arguments + outputs - aliased + temporaries). The peak is cut into parts
@@ -42,7 +42,7 @@ import optax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 import optax_memopt  # noqa: E402
-from optax_memopt import gpu_compile  # First: it sets the CUDA plugin's environment.
+from memopt_tools import gpu_compile  # First: it sets the CUDA plugin's environment.
 from optax_memopt.state_bytes import state_nbytes  # noqa: E402
 
 # The share of a device's memory the report keeps free for what the compile
@@ -110,7 +110,7 @@ def compile_train_step(
       their shapes and dtypes.
     batch: one batch as arrays or ``jax.ShapeDtypeStruct`` (any pytree).
     tx: the optimizer; its state is ``jax.eval_shape(tx.init, params)``.
-    target: the GPU, one of :data:`optax_memopt.gpu_compile.TARGETS`.
+    target: the GPU, one of :data:`memopt_tools.gpu_compile.TARGETS`.
     memory: the device's bytes (default: the target's).
     margin: the share of ``memory`` kept free (default :data:`MARGIN`).
 
@@ -196,7 +196,7 @@ class TrainStepReport:
 def registered_optimizer(
   name: str, *, n_heads: int | None = None, n_kv_heads: int | None = None, stochastic_rounding: bool = False
 ) -> optax.GradientTransformation:
-  """``optax_memopt.training.optimizers.OPTIMIZERS[name]``, for bfloat16 parameters with stochastic rounding.
+  """``memopt_tools.training.optimizers.OPTIMIZERS[name]``, for bfloat16 parameters with stochastic rounding.
 
   Args:
     name: an entry of the registry.
@@ -204,7 +204,7 @@ def registered_optimizer(
     stochastic_rounding: chain :func:`optax_memopt.stochastic_rounding` after
       it, as a step on bfloat16 or float16 parameters should.
   """
-  from optax_memopt.training import optimizers
+  from memopt_tools.training import optimizers
 
   tx = optimizers.get(name).build(1e-3, types.SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads))
   return optax_memopt.with_stochastic_rounding(tx) if stochastic_rounding else tx
@@ -228,7 +228,7 @@ def train_step_report(
 
   Args:
     loss_fn, params, batch, target, memory, margin: as for :func:`compile_train_step`.
-    optimizer_names: entries of ``optax_memopt.training.optimizers.OPTIMIZERS``
+    optimizer_names: entries of ``memopt_tools.training.optimizers.OPTIMIZERS``
       (default: all of them).
     n_heads, n_kv_heads, stochastic_rounding: as for :func:`registered_optimizer`.
     title: the first line of the printed table.
@@ -236,7 +236,7 @@ def train_step_report(
   Returns:
     A :class:`TrainStepReport`.
   """
-  from optax_memopt.training import optimizers
+  from memopt_tools.training import optimizers
 
   names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
   for name in names:

@@ -22,8 +22,8 @@ import time
 import jax
 import optax
 
+from memopt_tools.training import loop, model, optimizers, report
 from optax_memopt.hyperparameters import check_int
-from optax_memopt.training import loop, model, optimizers, report
 
 MODEL_SIZES = {
   "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
