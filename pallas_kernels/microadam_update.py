@@ -167,18 +167,25 @@ def _as_blocks(ring: jax.Array, n_blocks: int) -> jax.Array:
   return ring.reshape(window, n_blocks, -1).transpose(1, 0, 2).reshape(n_blocks, -1)
 
 
-def _sorted_by_index(local: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
-  """Each block's entries ordered by (block-local index, entry): the indices and the entries.
+def _sorted_by_index(
+  local: jax.Array, values: jax.Array, *, window: int, block_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each block's entries ordered by (block-local index, ring row): the indices, the rows and the values.
 
-  Equal indices end up adjacent, in ring-row order. The pair is packed in
-  one int32 key where it fits, which XLA sorts as plain integers.
+  Entry ``r * keep + j`` of a block is entry ``j`` of ring row ``r``, and a
+  row holds an index at most once: the pair is unique, and equal indices end
+  up adjacent, in ring-row order. The values travel with the sort rather
+  than being gathered after it, and the pair is packed in one int32 key
+  (the row in its low bits) where it fits, which XLA sorts as plain
+  integers: the index and the row are then a shift and a mask of the sorted
+  key, cheap enough to recompute where they are used.
   """
-  n = local.shape[1]
-  entry = lax.broadcasted_iota(jnp.int32, local.shape, 1)
-  if block_size * n <= jnp.iinfo(jnp.int32).max:
-    key = lax.sort(local * n + entry, dimension=1)
-    return key // n, key % n
-  return lax.sort((local, entry), dimension=1, num_keys=1, is_stable=True)
+  shift = max(window - 1, 1).bit_length()
+  row = lax.broadcasted_iota(jnp.int32, local.shape, 1) // (local.shape[1] // window)
+  if block_size << shift <= jnp.iinfo(jnp.int32).max:
+    key, values = lax.sort((lax.shift_left(local, shift) | row, values), dimension=1, num_keys=1)
+    return lax.shift_right_logical(key, shift), key & ((1 << shift) - 1), values
+  return lax.sort((local, row, values), dimension=1, num_keys=1, is_stable=True)
 
 
 _WORD = 32
@@ -274,10 +281,8 @@ def _block_directions(local, ring_values, weights, eps, first_block, buffers, *,
     ``buffers``, ``(directions, bitmap)``, written by ``_compact_by_index``.
   """
   window = weights.shape[1]
-  local, entry = _sorted_by_index(local.astype(jnp.int32), block_size)
-  keep = local.shape[1] // window
-  value = jnp.take_along_axis(ring_values, entry, axis=1).astype(jnp.float32)
-  row = entry // keep
+  local, row, value = _sorted_by_index(local.astype(jnp.int32), ring_values, window=window, block_size=block_size)
+  value = value.astype(jnp.float32)
   first, second = weights[0][row] * value, weights[1][row] * value * value
   # The run of an index starts at its first entry and spans at most the
   # window; sums in ring-row order, as the reference adds its rows.
