@@ -5,10 +5,7 @@ two (``pallas_kernels.error_feedback``), at its defaults (4-bit error
 feedback in buckets of 1024, top-k blocks of 16384 at density 0.01):
 ``feedback_topk`` (Triton: the gradient plus the decoded error, its block
 top-k) and ``requantize_unselected`` (Mosaic GPU: the error feedback with
-the selection zeroed, re-encoded in place); and TACO's ``column_select``
-(Mosaic GPU) on bfloat16 rows of 4096: each row's largest entry
-(``argmax``) and TACO's default, rows in 16 parts of 256 with one tracked
-heavy hitter each (``one_per_part``).
+the selection zeroed, re-encoded in place).
 
 On a GPU this is the readiness check: each op runs with
 ``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
@@ -25,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import pathlib
+import shlex
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import column_select, error_feedback, quantize, topk
+from pallas_kernels import error_feedback, quantize, topk
 
 # HBM bandwidth in bytes/s by device kind, from the vendors' data sheets.
 HBM_PEAK = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA B200": 8.0e12}
@@ -86,19 +86,6 @@ def _with_selection(key, n):
   return (q, y, *_select(q, y, "xla"))
 
 
-def _rows(key, n, parts: tuple[int, ...]):
-  """``n`` bfloat16 gradient entries as rows of 4096 split as ``parts``."""
-  return (_normal(key, n, jnp.bfloat16).reshape(-1, *parts),)
-
-
-def _rows_tracked(key, n):
-  """TACO's default layout, one tracked column per 256-wide part with its offset."""
-  (grads,) = _rows(key, n, (16, 256))
-  tracked = jax.random.randint(jax.random.fold_in(key, 1), (*grads.shape[:-1], 1), 0, 256).astype(jnp.int16)
-  offsets = _normal(jax.random.fold_in(key, 2), tracked.size).reshape(tracked.shape)
-  return grads, tracked, offsets
-
-
 def _cases() -> list[KernelCase]:
   codes = lambda n: n * BITS // 8
   return [
@@ -127,20 +114,6 @@ def _cases() -> list[KernelCase]:
       # Reads the gradient, the selection, the codes and statistics; writes new codes and statistics.
       lambda n: 4 * n + _selection_bytes(n) + 2 * (codes(n) + _statistics_bytes(n)),
     ),
-    KernelCase(
-      "column_select argmax",
-      lambda key, n: _rows(key, n, (4096,)),
-      lambda g, implementation: column_select.column_select(g, keep=1, implementation=implementation),
-      # Reads the bfloat16 rows; writes each row's int32 index and float32 value.
-      lambda n: 2 * n + 8 * (n // 4096),
-    ),
-    KernelCase(
-      "column_select one_per_part",
-      _rows_tracked,
-      lambda g, t, o, implementation: column_select.column_select(g, t, o, keep=1, implementation=implementation),
-      # Reads the rows, each part's int16 tracked column and float32 offset; writes its index and value.
-      lambda n: 2 * n + 6 * (n // 256) + 8 * (n // 256),
-    ),
   ]
 
 
@@ -167,13 +140,47 @@ def _agree(a, b) -> str:
   return "equal"
 
 
+def header(reference: str, kernel: str) -> str:
+  return (
+    f"| op | {kernel} vs {reference} | {reference} ms | {kernel} ms"
+    f" | {reference} GB/s | {kernel} GB/s | {kernel} % of peak |\n|---|---|---|---|---|---|---|"
+  )
+
+
+def table_row(row: dict, reference: str, kernel: str, peak: float | None) -> str:
+  cell = lambda d, i, f: format(d[i], f) if i in d else "-"
+  gbps = row["GB/s"]
+  pct = f"{100 * gbps[kernel] * 1e9 / peak:.0f}%" if peak and kernel in gbps else "-"
+  return (
+    f"| {row['op']} | {row['agreement']} | {cell(row['ms'], reference, '.3f')} | {cell(row['ms'], kernel, '.3f')} |"
+    f" {cell(gbps, reference, '.0f')} | {cell(gbps, kernel, '.0f')} | {pct} |"
+  )
+
+
+def render(results: dict) -> str:
+  """The markdown table of a results file: the command, device and date, then a row per op."""
+  reference, kernel = results["implementations"]
+  lines = [
+    f"`{results['command']}` ({results['device']}, {results['date']}; JAX {results['jax']};"
+    f" {results['size']:,} elements per input).",
+    "",
+    header(reference, kernel),
+    *(table_row(row, reference, kernel, HBM_PEAK.get(results["device"])) for row in results["rows"]),
+  ]
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--size", type=int, default=32 * 2**20, help="elements per input")
   parser.add_argument("--implementations", nargs=2, default=["xla", "pallas"], metavar=("REFERENCE", "KERNEL"))
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
+  parser.add_argument("--render", type=pathlib.Path, help="print the table of a results file (kernels.json) and exit")
   args = parser.parse_args(argv)
+  if args.render:
+    print(render(json.loads(args.render.read_text())))
+    return 0
   reference, kernel = args.implementations
   device = jax.devices()[0].device_kind
   peak = HBM_PEAK.get(device)
@@ -182,11 +189,7 @@ def main(argv=None) -> int:
     if peak
     else f"JAX {jax.__version__} on {device}; {args.size:,} elements"
   )
-  print(
-    f"| op | {kernel} vs {reference} | {reference} ms | {kernel} ms"
-    f" | {reference} GB/s | {kernel} GB/s | {kernel} % of peak |"
-  )
-  print("|---|---|---|---|---|---|---|")
+  print(header(reference, kernel))
   rows, failures = [], 0
   for case in _cases():
     inputs = case.make_inputs(jax.random.key(0), args.size)
@@ -200,18 +203,25 @@ def main(argv=None) -> int:
       agreement, times = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}", {}
     failures += agreement != "equal"
     moved = case.bytes_moved(args.size)
-    gbps = {impl: moved / t / 1e9 for impl, t in times.items()}
-    row = {"op": case.name, "agreement": agreement, "ms": {i: 1e3 * t for i, t in times.items()}, "GB/s": gbps}
+    row = {
+      "op": case.name,
+      "agreement": agreement,
+      "ms": {i: 1e3 * t for i, t in times.items()},
+      "GB/s": {i: moved / t / 1e9 for i, t in times.items()},
+    }
     rows.append(row)
-    cell = lambda d, i, f: format(d[i], f) if i in d else "-"
-    pct = f"{100 * gbps[kernel] * 1e9 / peak:.0f}%" if peak and kernel in gbps else "-"
-    print(
-      f"| {case.name} | {agreement} | {cell(row['ms'], reference, '.3f')} | {cell(row['ms'], kernel, '.3f')} |"
-      f" {cell(gbps, reference, '.0f')} | {cell(gbps, kernel, '.0f')} | {pct} |",
-      flush=True,
-    )
+    print(table_row(row, reference, kernel, peak), flush=True)
+  results = {
+    "command": "python -m benchmarks.kernels " + shlex.join(argv if argv is not None else sys.argv[1:]),
+    "device": device,
+    "date": datetime.date.today().isoformat(),
+    "jax": jax.__version__,
+    "size": args.size,
+    "implementations": [reference, kernel],
+    "rows": rows,
+  }
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "kernels.json").write_text(json.dumps({"device": device, "size": args.size, "rows": rows}, indent=1))
+  (args.out / "kernels.json").write_text(json.dumps(results, indent=1) + "\n")
   return 1 if failures else 0
 
 

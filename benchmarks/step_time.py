@@ -17,8 +17,13 @@ With ``--param-dtypes float32 bfloat16`` each model is also timed with
 bfloat16 parameters and gradients: ``optax.adamw`` as it is (round to
 nearest, the baseline of the bfloat16 rows), then every optimizer, ``adamw``
 too, followed by ``optax_memopt.stochastic_rounding`` as a user runs it.
-With ``--bandwidth`` (TB/s) each row also gives the bytes per parameter that
-the compiled program moves (``optax_memopt.gpu_compile.bytes_moved`` of the
+With ``--steps-per-call N`` one timed call takes N steps in a
+``lax.fori_loop``: a step's few hundred arrays cost the host a dispatch that
+can outlast the GPU's work, which a loop pays once per N steps.
+``--compile-threads`` compiles that many steps at once (XLA compiles in
+threads), and ``--compile-budget`` stops starting compiles after that many
+seconds, listing what it left out. With ``--bandwidth`` (TB/s) each row also gives the bytes per parameter that
+the compiled program moves (``memopt_tools.gpu_compile.bytes_moved`` of the
 program timed), the time those bytes take at that bandwidth, and the
 measured time over it. Writes the rows with the machine and the command to
 ``--json`` (``results/step_time.json``) after each model and dtype, so that a
@@ -32,6 +37,7 @@ run stopped early keeps what it measured; benchmarks/README.md's tables are
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -62,15 +68,24 @@ PROBES = {
 }
 
 
-def compile_step(optimizer, params, grads):
-  """The jitted update + apply, params and state donated, compiled; and the optimizer's first state."""
+def compile_step(optimizer, params, grads, steps_per_call: int = 1):
+  """The jitted update + apply, params and state donated, compiled; and the optimizer's first state.
+
+  With ``steps_per_call`` above 1 one call takes that many steps in a
+  ``lax.fori_loop`` on the same gradients, so that the host dispatches one
+  call of a few hundred arrays per that many steps.
+  """
 
   def step(params, state, grads):
     updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  def steps(params, state, grads):
+    return jax.lax.fori_loop(0, steps_per_call, lambda _, carry: step(*carry, grads), (params, state))
+
   state = optimizer.init(params)
-  return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile(), state
+  program = step if steps_per_call == 1 else steps
+  return jax.jit(program, donate_argnums=(0, 1)).lower(params, state, grads).compile(), state
 
 
 def temporary_bytes(compiled) -> int:
@@ -79,26 +94,36 @@ def temporary_bytes(compiled) -> int:
 
 
 class Timed:
-  """One optimizer's compiled step with its running params and state, and its step times."""
+  """One optimizer's compiled step with its running params and state, and its step times.
 
-  def __init__(self, optimizer, params, grads):
+  Built in two parts, so that many can compile at once in threads
+  (``compile``), then take their first steps one after another (``start``).
+  """
+
+  def __init__(self, optimizer, params, grads, steps_per_call: int = 1):
+    self.optimizer, self.params, self.steps_per_call = optimizer, params, steps_per_call
+    self.grads_shape = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads)
+    self.seconds: list[float] = []
+
+  def compile(self, grads) -> None:
     start = time.perf_counter()
-    self.compiled, self.state = compile_step(optimizer, params, grads)
+    self.compiled, self.state = compile_step(self.optimizer, self.params, grads, self.steps_per_call)
     self.compile_seconds = time.perf_counter() - start
     self.temp_bytes = temporary_bytes(self.compiled)
     try:
-      self.bytes_moved = gpu_compile.bytes_moved(self.compiled.as_text())
+      # A loop's body counts once per trip: the bytes of one step are the call's over its steps.
+      self.bytes_moved = gpu_compile.bytes_moved(self.compiled.as_text()) / self.steps_per_call
     except Exception as e:  # A program the counter cannot read is still timed.
       print(f"bytes not counted: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
       self.bytes_moved = None
-    self.params = params
-    self.seconds: list[float] = []
-    for _ in range(2):  # Warm-up steps, not timed.
+
+  def start(self, grads) -> None:
+    for _ in range(2):  # Warm-up calls, not timed.
       self.params, self.state = self.compiled(self.params, self.state, grads)
     jax.block_until_ready((self.params, self.state))
 
   def step(self, grads) -> None:
-    """Times one step, after an untimed one that brings this optimizer's arrays into the caches.
+    """Times one call, after an untimed one that brings this optimizer's arrays into the caches.
 
     Back-to-back steps of one optimizer find them there; the optimizer
     timed just before would otherwise have left its own.
@@ -108,7 +133,7 @@ class Timed:
     start = time.perf_counter()
     self.params, self.state = self.compiled(self.params, self.state, grads)
     jax.block_until_ready((self.params, self.state))
-    self.seconds.append(time.perf_counter() - start)
+    self.seconds.append((time.perf_counter() - start) / self.steps_per_call)
 
 
 def header(bandwidth: float | None) -> str:
@@ -152,6 +177,8 @@ def render(results: dict) -> str:
     header(bandwidth),
     *(table_row(row, bandwidth) for row in results["rows"]),
   ]
+  if results.get("left_out"):
+    lines += ["", "Not timed (`--compile-budget` spent): " + ", ".join(results["left_out"]) + "."]
   return "\n".join(lines)
 
 
@@ -175,6 +202,15 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--param-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument(
+    "--steps-per-call",
+    type=int,
+    default=1,
+    help="steps one timed call takes (a lax.fori_loop), so that the host's dispatch of the call weighs 1/N",
+  )
+  parser.add_argument(
+    "--compile-threads", type=int, default=1, help="steps compiled at once (XLA compiles in parallel threads)"
+  )
   parser.add_argument(
     "--compile-budget",
     type=float,
@@ -201,8 +237,9 @@ def main(argv=None) -> None:
   if args.render:
     print(render(json.loads(args.render.read_text())))
     return
-  if args.repeats < 1:
-    parser.error("--repeats must be >= 1")
+  for flag in ("repeats", "steps_per_call", "compile_threads"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag.replace('_', '-')} must be >= 1")
   names = ["adamw"] + [n for n in args.optimizers if n != "adamw"]
   implementations = [None if i == "auto" else i for i in args.implementations]
   if args.bandwidth is not None and args.bandwidth <= 0:
@@ -214,6 +251,7 @@ def main(argv=None) -> None:
     "jax": jax.__version__,
     "bandwidth_tb_s": args.bandwidth,
     "rows": [],
+    "left_out": [],
   }
   print(f"JAX {jax.__version__} on {jax.devices()[0].device_kind}")
   print(header(args.bandwidth))
@@ -226,25 +264,37 @@ def main(argv=None) -> None:
       for name, rounding in steps_to_time(names, param_dtype):
         spec = PROBES[name] if name in PROBES else optimizers.get(name)
         for implementation in implementations if spec.has_kernels else [None]:
-          if args.compile_budget is not None and time.perf_counter() - started > args.compile_budget:
-            left_out = f"{model} {param_dtype} {name} {implementation or 'default'}"
-            print(f"left out (--compile-budget {args.compile_budget:g}s spent): {left_out}")
-            continue
-          fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
           options = {"implementation": implementation} if spec.has_kernels else {}
           optimizer = spec.build(1e-3, shapes.MODELS[model], **options)
           if rounding == "stochastic":
             optimizer = optax_memopt.with_stochastic_rounding(optimizer)
           # "default": each op's own choice (benchmarks/README.md says which on a GPU).
           path = (implementation or "default") if spec.has_kernels else "xla"
-          try:
-            timed.append((name, path, rounding, Timed(optimizer, fresh, grads)))
-          except Exception as e:  # One row per optimizer, whatever happens.
-            print(
-              f"| {model} | {shapes.count(params):,} | {param_dtype} | {name} | {path} | {rounding} |"
-              f" {type(e).__name__}: {str(e).splitlines()[0][:120]} |",
-              flush=True,
-            )
+          fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
+          timed.append((name, path, rounding, Timed(optimizer, fresh, grads, args.steps_per_call)))
+
+      def compile_within_budget(entry, model=model, param_dtype=param_dtype, params=params, grads=grads):
+        name, path, rounding, timed_step = entry
+        if args.compile_budget is not None and time.perf_counter() - started > args.compile_budget:
+          left_out = f"{model} {param_dtype} {name} {path}"
+          print(f"left out (--compile-budget {args.compile_budget:g}s spent): {left_out}", flush=True)
+          results["left_out"].append(left_out)
+          return None
+        try:
+          timed_step.compile(grads)
+          return entry
+        except Exception as e:  # One row per optimizer, whatever happens.
+          print(
+            f"| {model} | {shapes.count(params):,} | {param_dtype} | {name} | {path} | {rounding} |"
+            f" {type(e).__name__}: {str(e).splitlines()[0][:120]} |",
+            flush=True,
+          )
+          return None
+
+      with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
+        timed = [entry for entry in pool.map(compile_within_budget, timed) if entry is not None]
+      for *_, entry in timed:
+        entry.start(grads)
       for _ in range(args.repeats):
         for *_, entry in timed:
           entry.step(grads)

@@ -1,6 +1,6 @@
 """The planner's compiled peak of a whole training step against the GPU's measured peak.
 
-``optax_memopt.fit`` and ``optax_memopt.train_compile`` say whether a
+``memopt_tools.fit`` and ``memopt_tools.train_compile`` say whether a
 training step fits from XLA's peak of the step compiled for a GPU
 description, with a margin for what the compile cannot see. On a real GPU
 this benchmark checks that margin: for each optimizer, the whole training

@@ -6,6 +6,8 @@ import json
 import pathlib
 import re
 
+import pytest
+
 from benchmarks import h100_compile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,6 +82,21 @@ def test_the_cpu_step_time_table_is_rendered_from_the_results():
 
   results = json.loads((ROOT / "benchmarks" / "data" / "step_time.json").read_text())
   assert step_time.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["step_time_1_bf16", "step_time_1_rest", "step_time_2", "step_time_2_bf16"])
+def test_the_h200_step_time_tables_are_rendered_from_the_results(name):
+  from benchmarks import step_time
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "h200" / f"{name}.json").read_text())
+  assert step_time.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_the_h200_kernel_table_is_rendered_from_the_results():
+  from benchmarks import kernels
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "h200" / "kernels.json").read_text())
+  assert kernels.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
 
 
 def test_the_cpu_step_memory_table_is_rendered_from_the_results():
