@@ -157,7 +157,11 @@ def render(results: dict) -> str:
 
 
 def merged(results: dict, path: pathlib.Path) -> dict:
-  """``results`` written over the rows of ``path``'s results of the same shapes and JAX, if any."""
+  """``results`` written over the rows of ``path``'s results of the same shapes and JAX, if any.
+
+  An optimizer measured here that has no kernels keeps no ``"pallas"``
+  figures from ``path``: they are of kernels since deleted.
+  """
   if not path.exists():
     return results
   previous = json.loads(path.read_text())
@@ -167,7 +171,10 @@ def merged(results: dict, path: pathlib.Path) -> dict:
   for dtype, rows in results["rows"].items():
     previous["rows"].setdefault(dtype, {})
     for name, row in rows.items():
-      previous["rows"][dtype].setdefault(name, {}).update(row)
+      kept = previous["rows"][dtype].setdefault(name, {})
+      kept.update(row)
+      if not optimizers.get(name).has_kernels:
+        kept.pop("pallas", None)
   return previous
 
 

@@ -397,8 +397,8 @@ def _split_explicit_axes(mesh: Any) -> tuple[str, ...]:
   )
 
 
-# Whether the steps whose kernels XLA cannot partition (MicroAdam's, TACO's
-# selection) are partitioned along their blocks by ``custom_partitioning``.
+# Whether the steps whose kernels XLA cannot partition (MicroAdam's) are
+# partitioned along their blocks by ``custom_partitioning``.
 # The JAX versions CI tests differ: JAX 0.10 partitions them; JAX 0.12 refuses
 # ``custom_partitioning`` when it lowers for another platform without devices
 # (an abstract mesh), which is how kernels are lowered for CUDA on a CPU host.

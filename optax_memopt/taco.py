@@ -69,16 +69,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_memopt import hyperparameters, leaves, sharding
-from pallas_kernels import dispatch, static_args
+from pallas_kernels import static_args
 from pallas_kernels.column_select import column_select
 
 TACO_LABEL = "taco"
@@ -240,39 +238,13 @@ class _Segments:
     return self.count * self.per_segment
 
 
-def _column_select_by_rows(grads, tracked, offsets, *, keep: int, implementation) -> tuple[jax.Array, jax.Array]:
-  """``column_select`` of ``[rows, parts, width]`` segments, each device selecting in the rows and parts it holds.
-
-  The selection is row by row and part by part, so it is partitioned along
-  both (``custom_partitioning``): the kernel, which the partitioner cannot
-  split, runs on each device's own rows and parts instead of on the gathered
-  tensor. A single-device program calls ``column_select`` unchanged.
-
-  Returns:
-    ``(index, value)`` of the selection, ``[rows, parts, keep]`` each.
-  """
-
-  def select(grads, tracked, offsets):
-    selection = column_select(grads, tracked, offsets, keep=keep, implementation=implementation)
-    return selection.index, selection.value
-
-  # The Pallas interpreter (tests on CPUs) calls back to the host, which custom_partitioning does not take.
-  if tracked.shape[-1] == 0 or implementation == "interpret" or not sharding.PARTITIONS_KERNEL_STEPS:
-    return select(grads, tracked, offsets)
-
-  def partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    spec = (*arg_shapes[0].sharding.spec, None, None)
-    rows_and_parts = NamedSharding(mesh, PartitionSpec(spec[0], spec[1], None))
-    return mesh, sharding.without_internal_refs(select), (rows_and_parts,) * 2, (rows_and_parts,) * 3
-
-  step = custom_partitioning(select)
-  step.def_partition(
-    partition=partition,
-    infer_sharding_from_operands=lambda mesh, args, result: partition(mesh, args, result)[2],
-    sharding_rule="r p w, r p t, r p t -> r p k, r p k",
-  )
-  return step(grads, tracked, offsets)
+def _check_implementation(implementation: Any) -> None:
+  """Refuses, naming it, an ``implementation`` other than ``None`` or ``"xla"``: the selection has no kernel."""
+  if not (implementation is None or (isinstance(implementation, str) and implementation == "xla")):
+    raise ValueError(
+      "implementation must be one of None or 'xla' (TACO's selection, pallas_kernels.column_select, is XLA only;"
+      f" its Pallas kernel is deleted); got {implementation!r}."
+    )
 
 
 def scale_by_taco(
@@ -281,7 +253,7 @@ def scale_by_taco(
   *,
   segments: int | None = None,
   matrix_axes: MatrixAxesSpec = MatrixAxes(),
-  implementation: dispatch.Implementation = None,
+  implementation: Literal["xla"] | None = None,
 ) -> optax.GradientTransformation:
   r"""TACO's direction: per input feature, the sign of its largest output entry.
 
@@ -327,9 +299,10 @@ def scale_by_taco(
       of ``optax.inject_hyperparams``, which otherwise calls it as a
       schedule). Every parameter must have an output axis left (use
       :func:`taco` to route the others elsewhere).
-    implementation: selection backend, ``None`` (auto), ``"xla"``,
-      ``"pallas"`` or ``"interpret"``: see
-      ``pallas_kernels.column_select.column_select``.
+    implementation: ``None`` or ``"xla"``, the same: the selection
+      (``pallas_kernels.column_select``) is XLA only on every platform. Kept
+      so that code naming it still runs; ``"pallas"`` and ``"interpret"``
+      (whose kernel is deleted) raise ``ValueError``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -337,8 +310,8 @@ def scale_by_taco(
 
   Raises:
     ValueError: for ``k < 0``, ``segments`` not dividing ``k``, ``beta``
-      outside ``[0, 1)`` (when a Python number), an unknown
-      ``implementation``, a traced ``k`` or ``segments`` (list them in
+      outside ``[0, 1)`` (when a Python number), an ``implementation``
+      other than ``None`` or ``"xla"``, a traced ``k`` or ``segments`` (list them in
       ``static_args``), or (at ``init``) a parameter with too few axes or
       not real floating point.
 
@@ -361,7 +334,7 @@ def scale_by_taco(
   if k % segments:
     raise ValueError(f"segments must divide k={k}; got {segments}.")
   hyperparameters.check_decay_rate("beta", beta)
-  dispatch.check(implementation)
+  _check_implementation(implementation)
   if not (isinstance(matrix_axes, MatrixAxes) or callable(matrix_axes)):
     raise ValueError(
       f"matrix_axes must be a MatrixAxes or a function (path, parameter) -> MatrixAxes; got {matrix_axes!r}."
@@ -416,9 +389,7 @@ def scale_by_taco(
     # recomputes U, with or without a fused multiply-add, it rounds the same.
     decay = jnp.asarray(beta, jnp.float32)
     weight = (decay / (1 - decay)).astype(jnp.bfloat16).astype(jnp.float32)
-    selected_index, selected_value = _column_select_by_rows(
-      grads, tracked, weight * momentum, keep=max(cut.per_segment, 1), implementation=implementation
-    )
+    selected_index, selected_value = column_select(grads, tracked, weight * momentum, keep=max(cut.per_segment, 1))
     columns = selected_index + start
     # The step: the row's largest |U| is the first slot of its largest part
     # (parts in column order, so ties still go to the lower column).
@@ -521,7 +492,7 @@ def taco(
   segments: int | None = None,
   matrix_axes: MatrixAxesSpec = MatrixAxes(),
   embedding_names: Sequence[str] = DEFAULT_EMBEDDING_NAMES,
-  implementation: dispatch.Implementation = None,
+  implementation: Literal["xla"] | None = None,
   fallback_learning_rate: optax.ScalarOrSchedule | None = None,
 ) -> optax.GradientTransformation:
   r"""TACO on matrices, a fallback elsewhere, weight decay and learning rates.
@@ -576,7 +547,7 @@ def taco(
     matrix_axes: how parameters are read as matrices, see :class:`MatrixAxes`.
     embedding_names: path substrings of embeddings sent to the fallback by
       the default labels.
-    implementation: selection backend, see :func:`scale_by_taco`.
+    implementation: ``None`` or ``"xla"``, see :func:`scale_by_taco`.
     fallback_learning_rate: a scalar or schedule for the ``"fallback"``
       group, or ``None`` (default) for ``learning_rate``.
 

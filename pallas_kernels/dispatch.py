@@ -43,10 +43,13 @@ a GPU at today's code (``benchmarks/README.md``, "On an H200", is stale).
   (MicroAdam's H100 compile, commit 12570ed), and the library quantizes
   only in ``requantize_unselected``'s XLA path. Their Mosaic GPU kernels,
   the default nowhere or reached by no optimizer, are deleted.
-* ``column_select`` (TACO's heavy hitters). XLA path: the default off
-  Hopper. Mosaic GPU kernel, the default on Hopper: timed faster than XLA
-  for TACO's one-segment step on an H200 (an earlier version); the
-  16-segment default is untimed.
+* ``column_select`` (TACO's heavy hitters): an XLA path and no kernel,
+  not switched here: TACO selects with XLA on every platform. Its Mosaic
+  GPU kernel agreed with XLA exactly but was slower on an H200 (JAX 0.11.2,
+  ``python -m benchmarks.kernels --size 33554432 --repeats 20``, medians,
+  XLA against the kernel): each row's argmax on bfloat16 rows of 4096,
+  0.095 against 0.108 ms; TACO's default layout (rows in 16 parts of 256,
+  one tracked heavy hitter each), 0.107 against 0.169 ms. It is deleted.
 * ``map_codes`` (low-bit AdamW's codes) has no kernel and is not switched
   here: ``lax.platform_dependent`` picks, per platform, one of two XLA
   paths beside the reference's binary search. XLA:CPU reads tables: one
@@ -71,14 +74,12 @@ IMPLEMENTATIONS = (None, "xla", "pallas", "interpret")
 # (why: the module docstring). One table, so that a new measurement changes
 # one line. Blackwell (B200, sm_100a) takes the same defaults, none of them
 # timed: no kernel has run on a Blackwell GPU. They follow the bytes moved
-# in the B200 compile of two Llama-2-7B layers, where each step that holds
-# kernels (MicroAdam's, TACO's) moves fewer bytes with them than on XLA
-# alone, as in the H100 compile.
+# in the B200 compile of two Llama-2-7B layers, where the step that holds
+# kernels (MicroAdam's) moves fewer bytes with them than on XLA alone, as in
+# the H100 compile.
 FASTER_ON_HOPPER: dict[str, bool] = {
   # MicroAdam's error feedback re-encoded without writing it in float32.
   "requantize_unselected": True,
-  # TACO's one-segment step, timed on an H200.
-  "column_select": True,
   # MicroAdam's selection reading the gradient and the error codes once, where
   # XLA's exact two-stage top-k reads them twice and sorts (H100 compile;
   # not yet timed on a GPU).

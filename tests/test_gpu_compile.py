@@ -318,13 +318,14 @@ def test_collectives_of_a_program_compiled_for_two_hosts_of_eight():
 
 @needs_plugin
 @pytest.mark.parametrize("name", ["microadam", "taco"])
-def test_steps_with_kernels_sharded_over_8_h100s_step_each_shard_alone(name):
+def test_block_and_row_steps_sharded_over_8_h100s_step_each_shard_alone(name):
   import optax_memopt
 
   # MicroAdam: 128 blocks of 16384 (the default), 16 whole blocks on each
   # device: the selection, the error feedback, the window's bitmap and update
-  # stay local. TACO: each device selects in its own rows. Their Pallas
-  # kernels, which the partitioner cannot split, run on each device's part.
+  # stay local; its Pallas kernels, which the partitioner cannot split, run
+  # on each device's part. TACO: each device selects in its own rows (XLA's
+  # reductions, which the partitioner splits by rows).
   params = {"w": jax.ShapeDtypeStruct((2048, 1024), jnp.float32)}
   program = gpu_compile.compile_step(getattr(optax_memopt, name)(1e-3), params, devices=8)
   assert program.param_bytes == 4 * 2048 * 1024 // 8

@@ -193,13 +193,13 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
 
 
-def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float32, implementation=None):
+def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float32):
   """Four steps of ternary gradients with beta = 1/2 (exact in e4m3) against ``numpy_heavy_hitters``."""
   beta, steps = 0.5, 4
   grads = ternary_grads(seed, steps, shape)
   want_directions, want_columns, want_momenta = numpy_heavy_hitters(grads, k, beta, segments)
   assert_exact_in_float8(want_momenta, seed)
-  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments, implementation=implementation)
+  tx = optax_memopt.scale_by_taco(k=k, beta=beta, segments=segments)
   state = tx.init({"w": jnp.zeros(shape, dtype)})
   update = jax.jit(tx.update)
   for step, (g, want) in enumerate(zip(grads, want_directions)):
@@ -242,12 +242,10 @@ def test_stacked_layers_are_independent_matrices(seed):
       np.testing.assert_array_equal(stacked_updates["w"][layer], updates["w"], err_msg=f"seed={seed}")
 
 
-@pytest.mark.kernels
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
 @pytest.mark.parametrize("k, segments", [(4, 1), (4, 2), (3, 3)])
-def test_both_selection_paths_step_like_the_numpy_reference(k, segments, implementation, seed):
-  # Rows of three kernel lanes, the last one padded; parts of 300, 150 or 100.
-  assert_steps_follow_the_merge_rule(seed, (5, 300), k, segments, jnp.bfloat16, implementation)
+def test_bfloat16_rows_step_like_the_numpy_reference(k, segments, seed):
+  # Parts of 300, 150 or 100 columns.
+  assert_steps_follow_the_merge_rule(seed, (5, 300), k, segments, jnp.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -418,6 +416,9 @@ def test_the_fallback_rate_is_a_hyperparameter_under_inject_hyperparams(seed):
     (lambda: optax_memopt.scale_by_taco(beta=1.0), r"beta must be in \[0, 1\)"),
     (lambda: optax_memopt.taco(1e-2, beta=-0.1), r"beta must be in \[0, 1\)"),
     (lambda: optax_memopt.taco(1e-2, implementation="cuda"), "implementation must be one of"),
+    # The selection's kernel is deleted: a named one is refused, not replaced by XLA.
+    (lambda: optax_memopt.taco(1e-2, implementation="pallas"), r"implementation must be one of None or 'xla'"),
+    (lambda: optax_memopt.scale_by_taco(implementation="interpret"), r"XLA only.*got 'interpret'"),
     (lambda: optax_memopt.taco(1e-2, fallback="adam"), "fallback must be an optax.GradientTransformation"),
     (
       lambda: optax_memopt.taco(1e-2, labels={"w": "taco", "b": "adam"}),
@@ -466,13 +467,12 @@ def test_complex_or_integer_matrix_is_refused_at_init_naming_it(dtype):
     optax_memopt.taco(1e-2).init(params)
 
 
-@pytest.mark.kernels
-@pytest.mark.parametrize("hopper", [True, False])
-def test_default_implementation_selects_with_the_kernel_on_hopper_only(monkeypatch, hopper):
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_the_cuda_program_selects_with_xla_on_hopper(monkeypatch, implementation):
   from pallas_kernels import _backend, dispatch
 
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: hopper)
-  tx = optax_memopt.scale_by_taco(k=4)
+  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  tx = optax_memopt.scale_by_taco(k=4, implementation=implementation)
   grads = {"w": jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)}
   text = _backend.lower_for_cuda(tx.update, grads, jax.eval_shape(tx.init, grads))
-  assert (_backend.MOSAIC_GPU_CALL in text) == hopper
+  assert _backend.MOSAIC_GPU_CALL not in text and _backend.TRITON_CALL not in text

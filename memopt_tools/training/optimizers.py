@@ -76,17 +76,15 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "ternary-state Adam: base-3 trits with block scales for m, factored v",
   ),
   "taco": OptimizerSpec(
-    _with_kernels(optax_memopt.taco),
+    lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY),
     1e-2,
     "TACO: signed argmax per input feature, one fp8 heavy hitter in each of 16 parts of a row;"
     " Adam on vectors and embeddings",
-    has_kernels=True,
   ),
   "taco_one_segment": OptimizerSpec(
-    _with_kernels(optax_memopt.taco, segments=1),
+    lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY, segments=1),
     1e-2,
     "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
-    has_kernels=True,
   ),
   "adamw_8bit": OptimizerSpec(
     lambda lr, config: optax_memopt.adamw_8bit(lr, weight_decay=WEIGHT_DECAY),
@@ -165,12 +163,11 @@ VARIANTS: dict[str, OptimizerSpec] = {
   ),
   # benchmarks/convergence.py passes the fallback's rate: AdamW's best, not TACO's.
   "taco_fallback_adamw_rate": OptimizerSpec(
-    lambda lr, config, implementation=None, fallback_learning_rate=None: optax_memopt.taco(
-      lr, weight_decay=WEIGHT_DECAY, implementation=implementation, fallback_learning_rate=fallback_learning_rate
+    lambda lr, config, fallback_learning_rate=None: optax_memopt.taco(
+      lr, weight_decay=WEIGHT_DECAY, fallback_learning_rate=fallback_learning_rate
     ),
     1e-2,
     "TACO with its fallback group (Adam on embeddings, norms, vectors) at its own rate (fallback_learning_rate)",
-    has_kernels=True,
   ),
   "microadam_5pct": OptimizerSpec(
     _with_kernels(optax_memopt.microadam, density=0.05),
