@@ -29,14 +29,17 @@ two ops, each with a plain reference, an XLA path and a kernel:
 * ``requantize_unselected``: ``q'``. XLA: ``quantize.dequantize_add``,
   ``zero_selected``, ``quantize.quantize``. Mosaic GPU kernel
   (``plgpu.kernel``), one program per bucket of whole 256-element rows: it
-  decodes ``a`` and zeroes the selection by its rank bound
-  (``selection_bounds``) in each of its two passes over the bucket
-  (statistics, then codes and packing), so no float32 ``a`` is written, and
-  rewrites the codes in place. Its wrapper pads the input to whole buckets
-  (the padding masked out of the statistics) and repacks a short last row
-  with the packing module's tail rule, so both paths give the same bytes;
-  that padding and repacking are XLA copies outside the kernel when the
-  size is not a whole number of buckets or rows.
+  decodes ``a`` and zeroes the selection in each of its two passes over the
+  bucket (statistics, then codes and packing), so no float32 ``a`` is
+  written, and rewrites the codes in place. Its wrapper pads the input to
+  whole buckets (the padding masked out of the statistics) and repacks a
+  short last row with the packing module's tail rule, so both paths give
+  the same bytes; that padding and repacking are XLA copies outside the
+  kernel when the size is not a whole number of buckets or rows. Both
+  paths zero the selection by position, from a bitmap of its indices
+  (``selection_bitmap``, one bit per element, built by XLA), never by
+  comparing ``a`` with the selected values: which entries are zeroed does
+  not depend on how a program rounds ``a``.
 
 ``implementation=``: ``None`` (``pallas_kernels.dispatch``: the kernel in a
 program lowered for a Hopper-or-newer GPU, XLA elsewhere), ``"xla"``,
@@ -60,7 +63,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _backend, dispatch, packing, quantize, static_args, topk
+from pallas_kernels import _backend, dispatch, microadam_update, packing, quantize, static_args, topk
 
 # Elements per kernel row: one packed 4-bit row, two planes of ``packing.PLANE_WIDTH``.
 _ROW = quantize.ROW
@@ -99,62 +102,14 @@ def chosen_by_threshold(keys: jax.Array, threshold: jax.Array, ties: jax.Array) 
   return (keys > threshold) | (at_threshold & (tie_rank <= ties))
 
 
-@functools.partial(jax.jit, static_argnames=("size", "density", "block_size"))
-def _selection_bounds(indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int):
-  """Per block (full blocks, then the tail): its smallest selected key ``T``, its last selected index of key ``T``."""
-  keys = topk.magnitude_key(values)
-  local = indices.astype(jnp.int32)
-  thresholds, last_ties, start = [], [], 0
-  full_blocks, tail = divmod(size, block_size)
-  for count, keep in (
-    (full_blocks, topk.entries_kept(block_size, density)),
-    (int(tail > 0), topk.entries_kept(tail, density)),
-  ):
-    end = start + count * keep
-    kept_keys = keys[start:end].reshape(count, keep)
-    kept_local = local[start:end].reshape(count, keep)
-    start = end
-    threshold = kept_keys.min(axis=1, initial=jnp.iinfo(jnp.int32).max)
-    thresholds.append(threshold)
-    last_ties.append(jnp.max(jnp.where(kept_keys == threshold[:, None], kept_local, -1), axis=1, initial=-1))
-  return jnp.concatenate(thresholds), jnp.concatenate(last_ties)
+# -- the selection as a bitmap: zeroing by position ---------------------------
+
+# Elements per byte row of a selection bitmap: four rows of ``_ROW``, each
+# element one bit of the byte its lane reads.
+_BITMAP_GROUP = 4 * _ROW
 
 
-def selection_bounds(
-  indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int
-) -> tuple[jax.Array, jax.Array]:
-  """Per block, the rank bound that delimits ``block_topk``'s selection.
-
-  Block ``b``'s selection is exactly the entries ``i`` (block-local) with
-
-  .. math::
-    \\mathrm{key}(x_i) > T_b \\;\\text{or}\\; (\\mathrm{key}(x_i) = T_b \\;\\text{and}\\; i \\le L_b),
-
-  ``T_b`` its smallest selected magnitude key (``magnitude_key``) and ``L_b``
-  the last selected index of key ``T_b`` (ties go to the lower index).
-
-  Args:
-    indices: the block-local indices ``block_topk`` returned for ``x``.
-    values: the values ``block_topk`` returned for ``x`` (``x``'s dtype).
-    size: ``x.size``.
-    density: fraction of each block kept, as given to ``block_topk``.
-    block_size: elements per block, as given to ``block_topk``.
-
-  Returns:
-    ``(T, L)``, int32 arrays of ``ceil(size / block_size)`` entries, the
-    full blocks' then the tail's.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from pallas_kernels.error_feedback import selection_bounds
-    >>> from pallas_kernels.topk import block_topk, magnitude_key
-    >>> x = jnp.array([0.5, -3., 1., 2., -0.25, 4., 0., -1., 7., -7.])
-    >>> indices, values = block_topk(x, density=0.5, block_size=4)
-    >>> threshold, last = selection_bounds(indices, values, size=10, density=0.5, block_size=4)
-    >>> bool((threshold == magnitude_key(jnp.array([2., 1., 7.]))).all()), last.tolist()
-    (True, [3, 3, 0])
-  """
-  density, block_size = topk.check_block_params(density, block_size)
+def _check_selection(indices: jax.Array, values: jax.Array, *, size: int, density: float, block_size: int) -> None:
   expected = (topk.selection_size(size, density=density, block_size=block_size),)
   if jnp.shape(indices) != expected or jnp.shape(values) != expected:
     raise ValueError(
@@ -162,52 +117,76 @@ def selection_bounds(
       f" x of size {size}, density={density}, block_size={block_size}; got"
       f" {jnp.shape(indices)} and {jnp.shape(values)}."
     )
-  return _selection_bounds(indices, values, size=size, density=density, block_size=block_size)
+
+
+def selection_bitmap(indices: jax.Array, *, size: int, density: float, block_size: int) -> jax.Array:
+  """The positions of a block-major top-k selection, one bit per element, in the kernel's lane order.
+
+  Element ``p`` is bit ``(p // 128) mod 8`` of byte ``[p // 1024, p mod 128]``:
+  a byte row covers four rows of 256 elements, and each of its 128 bytes
+  holds the bits of one lane (one of ``requantize_unselected``'s kernel
+  threads) in those rows' eight half rows, so that the kernel reads a row
+  of bytes and shifts, without gathering across lanes.
+
+  Args:
+    indices: the block-local indices ``block_topk`` returned, block-major,
+      distinct within a block (then the adds that set the bits are ors).
+    size: elements covered; the bitmap has ``ceil(size / 1024)`` byte rows.
+    density: fraction of each block kept, as given to ``block_topk``.
+    block_size: elements per block, as given to ``block_topk``.
+
+  Returns:
+    A uint8 array ``[ceil(size / 1024), 128]``; positions at or past the
+    rows' end are dropped.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from pallas_kernels.error_feedback import selection_bitmap
+    >>> # One entry per block of 512: positions 1, 512 + 129 and 1024 + 0.
+    >>> bitmap = selection_bitmap(jnp.array([1, 129, 0], jnp.int16), size=1100, density=1 / 512, block_size=512)
+    >>> bitmap.shape, bitmap[0, :2].tolist(), bitmap[1, 0].tolist()  # 641 is lane 1's bit 5 of row 0
+    ((2, 128), [0, 33], 1)
+  """
+  positions = microadam_update.flat_positions(indices, k=topk.entries_kept(block_size, density), block_size=block_size)
+  byte = positions // _BITMAP_GROUP * packing.PLANE_WIDTH + positions % packing.PLANE_WIDTH
+  bit = lax.shift_left(jnp.uint8(1), (positions // packing.PLANE_WIDTH % 8).astype(jnp.uint8))
+  rows = -(-size // _BITMAP_GROUP)
+  bitmap = jnp.zeros((rows * packing.PLANE_WIDTH,), jnp.uint8).at[byte].add(bit, mode="drop")
+  return bitmap.reshape(rows, packing.PLANE_WIDTH)
+
+
+def _selected(bitmap: jax.Array, size: int) -> jax.Array:
+  """The first ``size`` positions of a ``selection_bitmap`` as booleans, by broadcasts XLA fuses into the reader."""
+  bits = bitmap[:, None, :] >> jnp.arange(8, dtype=jnp.uint8)[None, :, None]
+  return (bits & jnp.uint8(1)).reshape(-1)[:size] != 0
 
 
 @functools.partial(jax.jit, static_argnames=("density", "block_size"))
-def _zero_selected(
-  x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int
-) -> jax.Array:
-  thresholds, last_ties = _selection_bounds(indices, values, size=x.size, density=density, block_size=block_size)
-  masks, start = [], 0
-  for blocks, _ in topk.block_parts(x.reshape(-1), density=density, block_size=block_size):
-    end = start + blocks.shape[0]
-    threshold, last_tie = thresholds[start:end, None], last_ties[start:end, None]
-    start = end
-    block_keys = topk.magnitude_key(blocks)
-    position = lax.broadcasted_iota(jnp.int32, blocks.shape, 1)
-    selected = (block_keys > threshold) | ((block_keys == threshold) & (position <= last_tie))
-    masks.append(selected.reshape(-1))
-  if not masks:
-    return x
-  # The masks, not zeroed blocks, are put back together: the result is then a
-  # select over x itself, which SPMD partitioning shards like x (zeroed
-  # blocks put back together were replicated where blocks do not split over
-  # the devices).
-  return jnp.where(jnp.concatenate(masks).reshape(x.shape), jnp.zeros((), x.dtype), x)
+def _zero_selected(x: jax.Array, indices: jax.Array, *, density: float, block_size: int) -> jax.Array:
+  selected = _selected(selection_bitmap(indices, size=x.size, density=density, block_size=block_size), x.size)
+  # A select over x itself rather than a scatter of zeros, for which XLA
+  # would copy x into a new buffer; SPMD partitioning shards it like x.
+  return jnp.where(selected.reshape(x.shape), jnp.zeros((), x.dtype), x)
 
 
 def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, density: float, block_size: int) -> jax.Array:
-  """``x`` with the entries ``block_topk(x, density=density, block_size=block_size)`` selected set to 0.
-
-  The selection of each block is exactly the keys above its smallest
-  selected key ``T`` and the keys equal to ``T`` up to the last selected
-  index (ties go to the lower index), so the zeroing is elementwise,
+  """``x`` with the entries at a block top-k selection's positions set to 0.
 
   .. math::
-    x_i \\leftarrow 0 \\quad \\text{if} \\quad |x_i| > T_b \\;\\text{or}\\;
-    (|x_i| = T_b \\;\\text{and}\\; i \\le i^{\\mathrm{tie}}_b),
+    x_{bD + i} \\leftarrow 0 \\quad \\text{for each selected } (b, i),
 
-  with ``T_b`` and ``i^tie_b`` read from the entries selected in block ``b``
-  (magnitudes ranked as in ``block_topk``): the scatter of zeros at the
-  selected positions without a scatter, for which XLA would copy ``x`` into
-  a new buffer.
+  ``D = block_size``, the positions read from ``indices`` alone (through
+  ``selection_bitmap``): the values are not compared with ``x``, so which
+  entries are zeroed does not depend on how ``x`` was rounded when it was
+  ranked. For ``(indices, values) = block_topk(x, ...)`` these are the
+  entries ``block_topk`` selected.
 
   Args:
-    x: the float array ``block_topk`` ranked (any shape; flattened).
-    indices: the block-local indices ``block_topk`` returned for ``x``.
-    values: the values ``block_topk`` returned for ``x``.
+    x: a float array (any shape; flattened).
+    indices: block-local indices, block-major, as ``block_topk`` returns
+      them for an array of ``x.size`` elements.
+    values: the values ``block_topk`` returned with them; only their shape
+      is checked.
     density: fraction of each block kept, as given to ``block_topk``.
     block_size: elements per block, as given to ``block_topk``.
 
@@ -216,8 +195,7 @@ def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, densit
 
   Raises:
     ValueError: for ``density`` or ``block_size`` out of range, a non-float
-      ``x``, ``values`` of another dtype than ``x``, or ``indices`` and
-      ``values`` not of the selection's size.
+      ``x``, or ``indices`` and ``values`` not of the selection's size.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -230,19 +208,10 @@ def zero_selected(x: jax.Array, indices: jax.Array, values: jax.Array, *, densit
   """
   density, block_size = topk.check_block_params(density, block_size)
   x = topk.float_array(x)
-  if jnp.result_type(values) != x.dtype:
-    # Thresholds read from rounded values would zero the wrong entries.
-    raise ValueError(
-      f"values must have x's dtype {x.dtype}, as block_topk returns them; got {jnp.result_type(values)}."
-    )
-  expected = (topk.selection_size(x.size, density=density, block_size=block_size),)
-  if jnp.shape(indices) != expected or jnp.shape(values) != expected:
-    raise ValueError(
-      f"indices and values must have shape {expected}, as block_topk returns for"
-      f" x of size {x.size}, density={density}, block_size={block_size}; got"
-      f" {jnp.shape(indices)} and {jnp.shape(values)}."
-    )
-  return _zero_selected(x, indices, values, density=density, block_size=block_size)
+  _check_selection(indices, values, size=x.size, density=density, block_size=block_size)
+  if x.size == 0:
+    return x
+  return _zero_selected(x, indices, density=density, block_size=block_size)
 
 
 # -- feedback_topk: a = y + dequantize(q) and its block top-k ----------------
@@ -522,8 +491,7 @@ def _requantize_kernel(
   max_ref: Any,
   lanes_ref: Any,
   y_ref: Any,
-  threshold_ref: Any,
-  last_ref: Any,
+  bitmap_ref: Any,
   valid_ref: Any,
   codes_out_ref: Any,
   min_out_ref: Any,
@@ -536,25 +504,32 @@ def _requantize_kernel(
   """One program: a bucket of ``rows`` rows of ``x = y + decode(codes)``, its selection set to 0, encoded.
 
   refs: codes ``[buckets, rows, _ROW * bits / 8]``, minimum, maximum
-  ``[buckets, 1, 1]``, lanes ``[128]``, y ``[buckets, rows, _ROW]``, then per
-  bucket the selection's key bound ``T``, its last index ``L`` (bucket-local)
-  and the number of real elements; the outputs codes, minimum and maximum.
-  ``x`` is computed in both passes (statistics, then codes), never stored.
+  ``[buckets, 1, 1]``, lanes ``[128]``, y ``[buckets, rows, _ROW]``, the
+  selection's ``selection_bitmap`` over the padded rows, and per bucket the
+  number of real elements; the outputs codes, minimum and maximum. ``x`` is
+  computed in both passes (statistics, then codes), never stored; the
+  selection is zeroed by its bits, never judged on ``x``.
   """
   b = lax.axis_index(_GRID_AXIS)
   old_minimum = min_ref[b, 0, 0].astype(jnp.float32)
   old_step = quantize.step_size(old_minimum, max_ref[b, 0, 0].astype(jnp.float32), bits)
-  threshold, last, valid = threshold_ref[b, 0, 0], last_ref[b, 0, 0], valid_ref[b, 0, 0]
+  valid = valid_ref[b, 0, 0]
   lanes = lanes_ref[...]
+  rows_per_byte = _BITMAP_GROUP // _ROW
 
   def row_values(r):
     """The two halves of row ``r`` of ``x``, selected entries 0, with masks of the real elements."""
+    row = b * rows + r
+    # Each lane's byte holds its bits of this row's two halves (and of the
+    # other rows of its group); 32-bit shifts, which Mosaic GPU has.
+    lane_bits = lax.shift_right_logical(
+      bitmap_ref[row // rows_per_byte, :].astype(jnp.uint32), (2 * (row % rows_per_byte)).astype(jnp.uint32)
+    )
     halves = []
     for h, codes in enumerate(_load_codes(codes_ref, b, r, bits)):
       x = y_ref[b, r, _half(h)].astype(jnp.float32) + quantize.decode(codes, old_minimum, old_step)
       position = lanes + (r * _ROW + h * packing.PLANE_WIDTH)
-      key = topk.magnitude_key(x)
-      selected = (key > threshold) | ((key == threshold) & (position <= last))
+      selected = (lane_bits & jnp.uint32(1 << h)) != 0
       halves.append((jnp.where(selected, 0.0, x), position < valid))
     return halves
 
@@ -615,7 +590,6 @@ def _requantize_pallas(
   q: quantize.QuantizedArray,
   y: jax.Array,
   indices: jax.Array,
-  values: jax.Array,
   *,
   density: float,
   block_size: int,
@@ -630,16 +604,8 @@ def _requantize_pallas(
   codes = codes.reshape(blocks.count, blocks.rows, _ROW * bits // 8)
   minimum, maximum = (s.reshape(blocks.stats_shape) for s in (q.minimum, q.maximum))
   rows = jnp.pad(y.reshape(-1), (0, blocks.elements - size)).reshape(blocks.count, blocks.rows, _ROW)
-  # Per bucket: its block's bound (a bucket lies in one block), the last
-  # index relative to the bucket, and how many of its elements are real.
-  thresholds, last_ties = selection_bounds(indices, values, size=size, density=density, block_size=block_size)
-  start = jnp.arange(blocks.count, dtype=jnp.int32) * bucket_size
-  block = start // block_size
-  per_bucket = [
-    thresholds[block],
-    last_ties[block] - (start - block * block_size),
-    jnp.minimum(size - start, bucket_size),
-  ]
+  bitmap = selection_bitmap(indices, size=blocks.elements, density=density, block_size=block_size)
+  valid = jnp.minimum(size - jnp.arange(blocks.count, dtype=jnp.int32) * bucket_size, bucket_size)
   kernel = _backend.mosaic_gpu_kernel(
     functools.partial(_requantize_kernel, bits=bits, rows=blocks.rows, stats_dtype=stats_dtype),
     out_type=(
@@ -660,7 +626,8 @@ def _requantize_pallas(
     # iota's layout on JAX 0.10, and its interpreter does not run layout_cast.
     jnp.arange(packing.PLANE_WIDTH, dtype=jnp.int32),
     rows,
-    *(x.reshape(blocks.stats_shape) for x in per_bucket),
+    bitmap,
+    valid.reshape(blocks.stats_shape),
   )
   return quantize.QuantizedArray(
     _kernel_rows_to_packed(new_codes.reshape(-1), size, bits), new_minimum.reshape(-1), new_maximum.reshape(-1)
@@ -689,21 +656,22 @@ def requantize_unselected(
 
   the selection given by ``(indices, values) = topk.block_topk(x, ...)``
   (MicroAdam's error feedback: what its top-k left out, re-encoded). The
-  kernel decodes ``x`` from ``q`` and ``y`` in each pass over a bucket and
-  zeroes the selection by its rank bound (``selection_bounds``), so no
-  float32 ``x`` is written; it needs buckets of whole rows that do not
+  kernel decodes ``x`` from ``q`` and ``y`` in each pass over a bucket, so
+  no float32 ``x`` is written; it needs buckets of whole rows that do not
   straddle top-k blocks (``block_size`` a multiple of ``bucket_size``).
-  The selection is judged on the kernel's own ``x``: it zeroes exactly the
-  selected entries where that ``x`` is bit-equal to the one ``block_topk``
-  ranked (in the interpreter it is; a GPU compiler that contracted the
-  decoding's multiply-add in one program and not the other could judge an
-  entry at a block's threshold differently).
+  Both paths zero the entries at the selection's positions, read from
+  ``indices`` alone (a ``selection_bitmap``, one bit per element), and
+  never compare ``values`` with their own ``x``: a program that computes
+  ``x`` with other rounding than the one that ranked it (a GPU compiler
+  contracts the decoding's multiply-add per program) still zeroes exactly
+  the selection.
 
   Args:
     q: the output of ``quantize`` for ``y.size`` elements.
     y: a float array (bfloat16, float16 or float32) of any shape.
     indices: the block-local indices ``block_topk`` returned for ``x`` (float32).
-    values: the float32 values ``block_topk`` returned for ``x``.
+    values: the values ``block_topk`` returned for ``x``; only their shape
+      is checked.
     density: fraction of each block kept, as given to ``block_topk``.
     block_size: elements per top-k block, as given to ``block_topk``.
     bits: 4 or 8, as ``q`` was quantized and the result will be.
@@ -737,6 +705,8 @@ def requantize_unselected(
   quantize.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
   stats_dtype = quantize.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
   quantize.check_quantized(q, size=y.size, bits=bits, bucket_size=bucket_size)
+  density, block_size = topk.check_block_params(density, block_size)
+  _check_selection(indices, values, size=y.size, density=density, block_size=block_size)
   dispatch.check(implementation)
   if y.size == 0:
     return quantize.QuantizedArray(
@@ -758,7 +728,6 @@ def requantize_unselected(
       q,
       y,
       indices,
-      values,
       density=density,
       block_size=block_size,
       bits=bits,
