@@ -439,16 +439,16 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
   """The scales of float32 ``blocks`` (a block per row of the last axis), shape ``(..., 1)``.
 
   ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``. The floor
-  is the reduction's initial value, and the division (correctly rounded, so
-  monotonic: the largest quotient is the quotient of the largest) is taken
-  of each element: the reduction then writes the scales themselves. As
-  operations on its result, XLA:GPU gave them a pass of their own over the
-  scales, beside the pass over the blocks.
+  is the reduction's initial value: the reduction then writes the 8-bit and
+  4-bit scales themselves, where a floor applied to its result took a pass of
+  its own over the scales on XLA:GPU. (fp8's division stays on the result:
+  taken of each element before the reduction, the same numbers, XLA:GPU
+  wrote the decoded moments of small tensors out between the two passes.)
   """
-  magnitudes, floor = jnp.abs(blocks), np.float32(MAP_ZERO_BLOCK_SCALE)
-  if code == FLOAT8_CODE:
-    magnitudes, floor = _divide(magnitudes, FLOAT8_MAX), floor / np.float32(FLOAT8_MAX)
-  return xla_cpu.reduce_row(magnitudes, floor, lax.max, fold_to=xla_cpu.FUSED_REDUCTION)[..., None]
+  absmax = xla_cpu.reduce_row(
+    jnp.abs(blocks), np.float32(MAP_ZERO_BLOCK_SCALE), lax.max, fold_to=xla_cpu.FUSED_REDUCTION
+  )[..., None]
+  return _divide(absmax, FLOAT8_MAX) if code == FLOAT8_CODE else absmax
 
 
 def _float8_magnitude_code(magnitudes: jax.Array) -> jax.Array:
