@@ -38,7 +38,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from benchmarks import shapes
 from memopt_tools.training import optimizers
 from optax_memopt import state_nbytes
-from optax_memopt.sharding import owners, state_shardings
+from optax_memopt.sharding import Layout, declared_layouts, owners, state_shardings
 
 MESH_AXES = ("fsdp", "tp")
 DEVICE_COUNTS = (1, 2, 4, 8)
@@ -105,29 +105,54 @@ def shard_fraction(shape: Sequence[int], sharding: NamedSharding) -> float:
   return math.prod(sharding.shard_shape(tuple(shape))) / size if size else 1.0
 
 
+def _finest_fractions(state: Any, params: Any, shardings: Any) -> list[float]:
+  """Per state leaf, the least fraction of it one device can hold: its parameter's, or 1 (no parameter).
+
+  A statistic over the rows (``Layout.COLUMN_STATISTICS``, ternary Adam's
+  column means) is read whole by every device holding part of a column: it
+  splits only as the parameter's other axes do.
+  """
+  param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
+  fractions = []
+  for leaf, index, layout in zip(
+    jax.tree.leaves(state), jax.tree.leaves(owners(state, params)), declared_layouts(state)
+  ):
+    if index < 0:
+      fractions.append(1.0)
+      continue
+    param, sharding = param_leaves[index]
+    spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+    if layout is Layout.COLUMN_STATISTICS and param.ndim >= 2 and not sharding.is_fully_replicated:
+      kept = NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1]))
+      fractions.append(shard_fraction(leaf.shape, kept))
+    else:
+      fractions.append(shard_fraction(param.shape, sharding))
+  return fractions
+
+
 def split_like_params_bytes(state: Any, params: Any, shardings: Any) -> float:
   """Per-device state bytes if every leaf were split as finely as its parameter.
 
   The target of the sharding rule: ``total / n_devices`` when every
   parameter is split over the whole mesh, more for replicated parameters
-  (whose state is rightly replicated too) and for leaves of no parameter.
+  (whose state is rightly replicated too), for leaves of no parameter, and
+  for statistics over a sharded axis that every device reads whole
+  (:func:`_finest_fractions`).
   """
-  fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
   return sum(
-    state_nbytes(leaf) * (fractions[index] if index >= 0 else 1.0)
-    for leaf, index in zip(jax.tree.leaves(state), jax.tree.leaves(owners(state, params)))
+    state_nbytes(leaf) * fraction
+    for leaf, fraction in zip(jax.tree.leaves(state), _finest_fractions(state, params, shardings))
   )
 
 
 def under_split_leaves(state: Any, params: Any, shardings: Any, min_bytes: float) -> list[str]:
-  """State leaves of at least ``min_bytes`` that a device holds more of than of their parameter."""
-  fractions = [shard_fraction(p.shape, s) for p, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))]
+  """State leaves of at least ``min_bytes`` that a device holds more of than :func:`_finest_fractions` allows."""
   return [
     f"{jax.tree_util.keystr(path)} {leaf.shape} {leaf.dtype}: {leaf.sharding.spec}"
-    for (path, leaf), index in zip(
-      jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(owners(state, params))
+    for (path, leaf), fraction in zip(
+      jax.tree_util.tree_flatten_with_path(state)[0], _finest_fractions(state, params, shardings)
     )
-    if state_nbytes(leaf) >= min_bytes and index >= 0 and shard_fraction(leaf.shape, leaf.sharding) > fractions[index]
+    if state_nbytes(leaf) >= min_bytes and shard_fraction(leaf.shape, leaf.sharding) > fraction
   ]
 
 

@@ -46,8 +46,15 @@ class Layout(enum.Enum):
   #: One value per row, ``(..., rows, 1)``, in a state with ``BLOCKS`` fields:
   #: the rows sharded as those fields' rows.
   ROWS = "rows"
-  #: The parameter's rank, each axis its full size or reduced.
+  #: The parameter's rank, each axis its full size or reduced to blocks:
+  #: sharded as the parameter's axis where each shard holds whole blocks,
+  #: else whole (a block mean over a sharded axis is all-reduced).
   KEEPDIMS = "keepdims"
+  #: ``(..., columns)``: a statistic over the second-to-last axis (Adafactor's
+  #: column means), sharded as the parameter's other axes and whole over the
+  #: mesh axes of its rows, which every device's rows read: an all-reduce of
+  #: the columns' partial sums, not a scatter followed by a gather.
+  COLUMN_STATISTICS = "column_statistics"
   #: Buffers with no axis of the parameter's (packed codes of the flattened
   #: parameter, rings of sparse entries), and statistics that reduce a
   #: sharded axis: cut over the whole mesh as far as their shape allows.
@@ -221,6 +228,19 @@ def _block_major_spec(
   return PartitionSpec(*spec[:-1], None, None)
 
 
+def _kept_axis_spec(blocks: int, size: int, entry: Any, mesh: Mesh) -> Any:
+  """The mesh axes of a keep-dims axis of ``blocks`` values over a parameter axis of ``size``.
+
+  The parameter's where each of its shards holds whole blocks (Adam-mini's
+  query heads over ``tp`` when the devices divide the heads), else none: a
+  mean over an axis cut within a block (a column's rows, or a head's rows
+  over ``fsdp``) is all-reduced, and every device reads it whole.
+  """
+  if blocks == size or (blocks > 1 and blocks % _shard_count(_mesh_axes(entry), mesh) == 0):
+    return entry
+  return None
+
+
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """Shardings for an optimizer state that follow the parameters' shardings.
 
@@ -338,8 +358,11 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
     elif layout is Layout.ROWS and leaf_shape == (*shape[:-1], 1):
       return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows.get(owner, spec[-2]), None))
-    elif layout is Layout.KEEPDIMS and len(leaf_shape) == len(shape) and any(a == b for a, b in zip(leaf_shape, shape)):
-      return NamedSharding(mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf_shape, shape, spec))))
+    elif layout is Layout.KEEPDIMS and len(leaf_shape) == len(shape):
+      kept = [_kept_axis_spec(blocks, size, entry, mesh) for blocks, size, entry in zip(leaf_shape, shape, spec)]
+      return NamedSharding(mesh, PartitionSpec(*kept))
+    elif layout is Layout.COLUMN_STATISTICS and leaf_shape == (*shape[:-2], shape[-1]):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1]))
     return NamedSharding(mesh, split_spec(leaf_shape, mesh))
 
   def place(leaf, owner):

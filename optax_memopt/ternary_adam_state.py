@@ -59,9 +59,17 @@ class FactoredSecondMoment(NamedTuple):
   # None per ternary matrix.
   dense: optax.Updates
 
-  # The partitioner cuts the statistics over the whole mesh (a reduction over
-  # a sharded axis is scattered over every device), so they are laid out flat.
-  field_layouts = {"row": sharding.Layout.FLAT, "col": sharding.Layout.FLAT, "dense": sharding.Layout.PARAM}
+  # The row statistics follow the rows, cut over the whole mesh as the
+  # partitioner scatters a reduction over a sharded last axis. The column
+  # statistics are whole over the rows' mesh axes, which every device's rows
+  # read: a mean over sharded rows is then one all-reduce of its partial sums
+  # (cut flat, it was scattered over the mesh and gathered back for the
+  # rebuild, twice the bytes through collectives).
+  field_layouts = {
+    "row": sharding.Layout.FLAT,
+    "col": sharding.Layout.COLUMN_STATISTICS,
+    "dense": sharding.Layout.PARAM,
+  }
 
 
 class ScaleByTernaryAdamState(NamedTuple):

@@ -99,3 +99,38 @@ def test_ternary_codes_and_scales_where_blocks_do_not_split_over_tp(shape, codes
   laid_out = sharding.state_shardings(state, params, PARAM_SHARDINGS, MESH)
   assert laid_out.mu.packed["w"].spec == P(codes_rows, None, None)
   assert laid_out.mu.scales["w"].spec == P(scales_rows, None, None)
+
+
+def test_ternary_column_statistics_are_whole_over_the_rows_mesh_axes():
+  # Every device's rows read every column's statistic: whole over the rows'
+  # mesh axes (one all-reduce of the partial column sums, not a scatter and a
+  # gather), split over tp with the columns; the row statistics follow the rows.
+  params = {"w": jax.ShapeDtypeStruct((64, 128), jnp.float32)}
+  state = jax.eval_shape(optax_memopt.scale_by_ternary_adam(block_size=32).init, params)
+  laid_out = sharding.state_shardings(state, params, PARAM_SHARDINGS, MESH)
+  assert laid_out.nu.col["w"].spec == P("tp")
+  assert laid_out.nu.row["w"].spec == P(("fsdp", "tp"))
+  fsdp_only = {"w": NamedSharding(MESH, P("fsdp", None))}
+  laid_out = sharding.state_shardings(state, params, fsdp_only, MESH)
+  assert tuple(laid_out.nu.col["w"].spec) in ((), (None,))
+  # Stacked layers: the leading axis keeps its mesh axes.
+  stacked = {"w": jax.ShapeDtypeStruct((4, 64, 128), jnp.float32)}
+  state = jax.eval_shape(optax_memopt.scale_by_ternary_adam(block_size=32).init, stacked)
+  laid_out = sharding.state_shardings(state, stacked, {"w": NamedSharding(MESH, P("tp", "fsdp", None))}, MESH)
+  assert laid_out.nu.col["w"].spec == P("tp", None)
+
+
+def test_adam_mini_head_means_follow_whole_heads_and_are_whole_over_the_rows():
+  # 4 query heads of 4 columns: two per tp shard, so their v follows tp; the
+  # head means over rows split by fsdp are all-reduced, v whole over fsdp.
+  params = {"attention": {"query": {"kernel": jax.ShapeDtypeStruct((8, 16), jnp.float32)}}}
+  state = jax.eval_shape(optax_memopt.scale_by_adam_mini(n_heads=4).init, params)
+  assert state.nu["attention"]["query"]["kernel"].shape == (1, 4)
+  shardings = {"attention": {"query": {"kernel": NamedSharding(MESH, P("fsdp", "tp"))}}}
+  laid_out = sharding.state_shardings(state, params, shardings, MESH)
+  assert laid_out.nu["attention"]["query"]["kernel"].spec == P(None, "tp")
+  # 8 devices on the heads' axis hold half a head each: v whole.
+  mesh = AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  shardings = {"attention": {"query": {"kernel": NamedSharding(mesh, P(None, "fsdp"))}}}
+  laid_out = sharding.state_shardings(state, params, shardings, mesh)
+  assert tuple(laid_out.nu["attention"]["query"]["kernel"].spec) in ((), (None, None))
