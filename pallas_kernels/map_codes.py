@@ -438,17 +438,19 @@ def _divide(x: jax.Array, divisor: Any) -> jax.Array:
 def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
   """The scales of float32 ``blocks`` (a block per row of the last axis), shape ``(..., 1)``.
 
-  ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``. The floor
-  is the reduction's initial value: the reduction then writes the 8-bit and
-  4-bit scales themselves, where a floor applied to its result took a pass of
-  its own over the scales on XLA:GPU. (fp8's division stays on the result:
-  taken of each element before the reduction, the same numbers, XLA:GPU
-  wrote the decoded moments of small tensors out between the two passes.)
+  ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``. For the
+  maps' codes the floor is the reduction's initial value: the reduction then
+  writes the scales themselves, where a floor applied to its result took a
+  pass of its own over the scales on XLA:GPU. fp8's floor and division stay
+  on the result: taking the division of each element before the reduction
+  (the same numbers) made XLA:GPU write small tensors' decoded moments out
+  between the two passes.
   """
-  absmax = xla_cpu.reduce_row(
-    jnp.abs(blocks), np.float32(MAP_ZERO_BLOCK_SCALE), lax.max, fold_to=xla_cpu.FUSED_REDUCTION
-  )[..., None]
-  return _divide(absmax, FLOAT8_MAX) if code == FLOAT8_CODE else absmax
+  if code == FLOAT8_CODE:
+    absmax = xla_cpu.reduce_row(jnp.abs(blocks), np.float32(-np.inf), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)
+    return _divide(jnp.maximum(absmax[..., None], MAP_ZERO_BLOCK_SCALE), FLOAT8_MAX)
+  floor = np.float32(MAP_ZERO_BLOCK_SCALE)
+  return xla_cpu.reduce_row(jnp.abs(blocks), floor, lax.max, fold_to=xla_cpu.FUSED_REDUCTION)[..., None]
 
 
 def _float8_magnitude_code(magnitudes: jax.Array) -> jax.Array:
