@@ -16,7 +16,9 @@ quadratic loss; a run saved with orbax midway (every process writing its
 own shards), restored into the abstract state of a freshly built optimizer
 and resumed is compared
 with the uninterrupted one, and both with the same steps on one local
-device.
+device. Those single-device runs are the same in every process: the
+processes share them out before the sharded runs (each run by the first
+process to take it) and all read them.
 
 The shapes divide the mesh and the registry's block sizes divide the
 shards: each matrix has 2048 to 8192 elements, so an eighth of one is a
@@ -33,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import time
 import traceback
 
 # The device count is read once, when JAX starts.
@@ -148,7 +152,44 @@ def mismatched_leaves(expected, actual) -> list[str]:
   return mismatched
 
 
+def single_device_run(name: str) -> tuple[dict, list[float]]:
+  """``({"params", "opt_state"}, losses)`` after ``STEPS`` steps on one local device, as numpy."""
+  case = CASES[name]
+  optimizer = case.factory(**case.kwargs)
+  params, target = jax.device_put((host_tree(seed=0, scale=0.1), host_tree(seed=1, scale=0.5)), jax.local_devices()[0])
+  params, state, losses = train(train_step(optimizer), params, optimizer.init(params), target, STEPS)
+  return jax.device_get({"params": params, "opt_state": state}), losses
+
+
+def share_single_device_runs(names: list[str], directory: str) -> None:
+  """Each of ``names``' single-device runs pickled (or what it raised) into ``directory`` by the process that took it.
+
+  Returns when all are written: the processes then meet at the sharded runs'
+  first collective well within its timeout.
+  """
+  os.makedirs(directory, exist_ok=True)
+  for name in names:
+    try:
+      os.close(os.open(os.path.join(directory, f"{name}.taken"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+      continue
+    try:
+      run = single_device_run(name)
+    except Exception:  # Reported by ``check``, per optimizer.
+      run = traceback.format_exc(limit=-8)
+    with open(os.path.join(directory, f"{name}.partial"), "wb") as file:
+      pickle.dump(run, file)
+    os.replace(os.path.join(directory, f"{name}.partial"), os.path.join(directory, f"{name}.pickle"))
+  while not all(os.path.exists(os.path.join(directory, f"{name}.pickle")) for name in names):
+    time.sleep(0.2)
+
+
 def check(name: str, checkpoints: str) -> dict:
+  with open(os.path.join(checkpoints, "single_device", f"{name}.pickle"), "rb") as file:
+    single_device = pickle.load(file)
+  if isinstance(single_device, str):
+    raise RuntimeError(f"the single-device run raised:\n{single_device}")
+  single, single_losses = single_device
   case = CASES[name]
   optimizer = case.factory(**case.kwargs)
   host_params, host_target = host_tree(seed=0, scale=0.1), host_tree(seed=1, scale=0.5)
@@ -178,10 +219,6 @@ def check(name: str, checkpoints: str) -> dict:
   restored = ocp.StandardCheckpointer().restore(directory, abstract)
   resumed_params, resumed_state, _ = train(step, restored["params"], restored["opt_state"], target, STEPS - SAVE_AFTER)
 
-  local_params, local_target = jax.device_put((host_params, host_target), jax.local_devices()[0])
-  single_params, single_state, single_losses = train(
-    train_step(optimizer), local_params, optimizer.init(local_params), local_target, STEPS
-  )
   return {
     "losses": losses,
     "single_device_losses": single_losses,
@@ -192,10 +229,7 @@ def check(name: str, checkpoints: str) -> dict:
     "global_state_bytes": optax_memopt.state_nbytes(expected_state),
     "resumed_equals_uninterrupted": bitwise_equal(expected_params, resumed_params)
     and bitwise_equal(expected_state, resumed_state),
-    "mismatches_to_single_device": mismatched_leaves(
-      {"params": single_params, "opt_state": single_state},
-      {"params": expected_params, "opt_state": expected_state},
-    ),
+    "mismatches_to_single_device": mismatched_leaves(single, {"params": expected_params, "opt_state": expected_state}),
   }
 
 
@@ -213,6 +247,7 @@ def main() -> None:
   )
   if jax.device_count() != N_DEVICES:
     raise SystemExit(f"needs {N_DEVICES} devices over all processes, found {jax.device_count()}.")
+  share_single_device_runs(args.names, os.path.join(args.checkpoints, "single_device"))
   results = {}
   for name in args.names:
     try:
