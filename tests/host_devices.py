@@ -37,19 +37,42 @@ def once_per_test_run(tmp_path_factory, name: str, run: Callable[[], Any]) -> An
   workers share and leaves the result (or its failure) there. Without xdist
   the directory is the session's own and this is just ``run()``.
   """
+  return parts_once_per_test_run(tmp_path_factory, name, {"all": run})["all"]
+
+
+def parts_once_per_test_run(tmp_path_factory, name: str, runs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+  """``{part: run()}`` over ``runs``, each part computed once by whichever pytest-xdist worker takes it first.
+
+  As ``once_per_test_run``, but a worker that asks while another computes a
+  part computes the parts nobody has taken, rather than waiting for the other:
+  two workers share one check in about half its time. Then it waits for the
+  parts others took. A part's failure fails every worker that asks.
+  """
   shared = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     shared = shared.parent
-  result_file = shared / f"{name}.json"
-  with open(shared / f"{name}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not result_file.exists():
+  files = {part: shared / f"{name}.{part}.json" for part in runs}
+
+  def compute(part: str, blocking: bool) -> None:
+    with open(shared / f"{name}.{part}.lock", "w") as lock:
       try:
-        outcome = {"result": run()}
-      except pytest.fail.Exception as failure:
-        outcome = {"failure": str(failure)}
-      result_file.write_text(json.dumps(outcome))
-  outcome = json.loads(result_file.read_text())
-  if "failure" in outcome:
-    pytest.fail(outcome["failure"], pytrace=False)
-  return outcome["result"]
+        fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+      except BlockingIOError:  # Another worker computes it.
+        return
+      if not files[part].exists():
+        try:
+          outcome = {"result": runs[part]()}
+        except pytest.fail.Exception as failure:
+          outcome = {"failure": str(failure)}
+        files[part].write_text(json.dumps(outcome))
+
+  for part in runs:
+    compute(part, blocking=False)
+  results = {}
+  for part in runs:
+    compute(part, blocking=True)
+    outcome = json.loads(files[part].read_text())
+    if "failure" in outcome:
+      pytest.fail(outcome["failure"], pytrace=False)
+    results[part] = outcome["result"]
+  return results

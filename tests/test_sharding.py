@@ -1,7 +1,7 @@
 """Every optimizer under JAX's SPMD partitioner on 8 CPU devices.
 
-``tests/sharding_check.py`` runs in a separate process (the device count is
-fixed when JAX starts) and reports, per optimizer of the registry: the
+``tests/sharding_check.py`` runs in separate processes (the device count is
+fixed when JAX starts), a part of the optimizers each, and reports, per optimizer of the registry: the
 sharded run against the single-device run, the state's shardings before and
 after the jitted steps, the per-device state bytes, the same steps on a mesh
 of explicit axes, and a single-device checkpoint restored into the sharded
@@ -11,6 +11,7 @@ report, one test per property and optimizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -38,9 +39,14 @@ FLOAT32_ULPS = 4.0
 BYTES_TOLERANCE = 0.05
 
 
-def run_sharding_check() -> dict:
+# The check runs in parts, each a process of its own, which two pytest-xdist
+# workers share (``host_devices.parts_once_per_test_run``).
+PARTS = 4
+
+
+def run_sharding_check(names: list[str]) -> dict:
   done = subprocess.run(
-    [sys.executable, "-m", "tests.sharding_check", *NAMES],
+    [sys.executable, "-m", "tests.sharding_check", *names],
     cwd=host_devices.REPOSITORY,
     env=host_devices.environment(8),
     capture_output=True,
@@ -55,7 +61,12 @@ def run_sharding_check() -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-  return host_devices.once_per_test_run(tmp_path_factory, "sharding_check", run_sharding_check)
+  parts = {str(i): functools.partial(run_sharding_check, NAMES[i::PARTS]) for i in range(PARTS)}
+  return {
+    name: result
+    for part in host_devices.parts_once_per_test_run(tmp_path_factory, "sharding_check", parts).values()
+    for name, result in part.items()
+  }
 
 
 def result(report: dict, name: str) -> dict:
