@@ -92,10 +92,12 @@ def render(results: dict) -> str:
   gb = lambda n: f"{n / 1e9:.1f}"
   out = [
     f"Compiled with JAX {results['jax']}; GB (10^9 bytes) on one GPU. A step fits where XLA's peak is at most the"
-    " GPU's memory less the margin kept for what the compile cannot see.",
+    " GPU's memory less the margin kept for what the compile cannot see. Parameters and optimizer state are the"
+    " step's donated arguments, held throughout; the rest of the peak is what the step holds beside them at its"
+    " peak: the gradients XLA has not yet consumed, activations and other temporaries.",
     "",
     "| model | GPU (memory, less margin) | parameters | optimizer | remat | batch x tokens"
-    " | params + grads + state | activations and the rest | XLA's peak | fits |",
+    " | params + state | gradients, activations and the rest | XLA's peak | fits |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in results["rows"]:
@@ -107,8 +109,8 @@ def render(results: dict) -> str:
       row["optimizer"],
       row["remat"],
       f"{row['batch']} x {row['seq_len']}",
-      gb(row["params"] + row["gradients"] + row["state"]),
-      gb(row["activations"]),
+      gb(row["params"] + row["state"]),
+      gb(row["peak"] - row["params"] - row["state"]),
       gb(row["peak"]),
       "yes" if row["fits"] else "no",
     ]
