@@ -183,8 +183,9 @@ def _sorted_by_index(
   shift = max(window - 1, 1).bit_length()
   row = lax.broadcasted_iota(jnp.int32, local.shape, 1) // (local.shape[1] // window)
   if block_size << shift <= jnp.iinfo(jnp.int32).max:
-    key, values = lax.sort((lax.shift_left(local, shift) | row, values), dimension=1, num_keys=1)
-    return lax.shift_right_logical(key, shift), key & ((1 << shift) - 1), values
+    bits = jnp.asarray(shift, local.dtype)  # lax's shifts take no Python int (an int64 one with x64 enabled).
+    key, values = lax.sort((lax.shift_left(local, bits) | row.astype(local.dtype), values), dimension=1, num_keys=1)
+    return lax.shift_right_logical(key, bits), key & ((1 << shift) - 1), values
   return lax.sort((local, row, values), dimension=1, num_keys=1, is_stable=True)
 
 

@@ -135,9 +135,11 @@ def dense_layer_state_bytes(name: str, param_bytes: int, devices: int) -> int:
     # 256, float32), per element of the bias.
     "adam_mini": split(param_bytes * (kernel + bias)) + whole(4 * c) + split(4 * bias) + count,
     # Kernel: m as base-3 trits, 5 per byte, in blocks of 128 (26 bytes)
-    # with a float32 scale each; v factored in float32 (rows and columns).
-    # Bias (below min_size): float32 m and v. A two-word key.
-    "ternary_adam": split(r * (c // 128) * (26 + 4)) + split(4 * (r + c)) + split(8 * bias) + whole(8) + count,
+    # with a float32 scale each; v factored in float32: row statistics cut
+    # with the rows, column statistics whole on every device that splits the
+    # rows (docs/sharding.md). Bias (below min_size): float32 m and v. A
+    # two-word key.
+    "ternary_adam": split(r * (c // 128) * (26 + 4)) + split(4 * r) + whole(4 * c) + split(8 * bias) + whole(8) + count,
     # Kernel: per input feature (row) 16 parts of one slot, an int16 index
     # and a float8 momentum each, and a bfloat16 scale. Bias: Adam's m and v
     # in the parameters' dtype. Two step counts.
