@@ -29,11 +29,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from benchmarks import shapes
-from memopt_tools import train_compile  # First: it sets the CUDA plugin's environment.
+from memopt_tools import gpu_compile, train_compile  # First: it sets the CUDA plugin's environment.
 from memopt_tools.training import loop, model
 
 
@@ -70,11 +69,6 @@ def main(argv=None) -> int:
   batch_shape = jax.ShapeDtypeStruct((args.batch, config.max_len + 1), jnp.int32)
   loss_fn = lambda p, b: loop.next_token_loss(graphdef, p, b)
 
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
   rows = []
   compiled = {}
   for name in args.optimizers:
@@ -82,17 +76,12 @@ def main(argv=None) -> int:
       name, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, stochastic_rounding=dtype != jnp.float32
     )
     abstract_state = jax.eval_shape(tx.init, abstract_params)
+    step = train_compile.training_step(loss_fn, tx)
     program = jax.jit(step, donate_argnums=(0, 1)).lower(abstract_params, abstract_state, batch_shape).compile()
-    analysis = program.memory_analysis()
     row = {
       "optimizer": name,
       "measured_peak": None,
-      "compiled_peak": int(
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-      ),
+      "compiled_peak": int(gpu_compile.ProgramMemory(**gpu_compile.ProgramMemory.fields_of(program)).peak_bytes),
     }
     try:
       row["planner_peak"] = train_compile.compile_train_step(

@@ -41,7 +41,7 @@ import os
 import re
 import types
 from importlib import resources
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
@@ -252,6 +252,29 @@ def _fusion_traffic(body: list[str], read: list[float], written: float) -> tuple
   return read, written
 
 
+def _instructions(body: list[str], shapes: dict[str, str]) -> Iterator[tuple[str, str, str, str, list[str]]]:
+  """Each instruction of a computation: (line, result, shape, opcode, operands), recording shapes as it goes.
+
+  ``shapes`` gains each result's shape before its instruction is yielded;
+  ``operands`` are the instruction's operands defined earlier in ``body``.
+  """
+  for line in body:
+    match = _INSTRUCTION.match(line)
+    if not match:
+      continue
+    result, shape, opcode, arguments = match.groups()
+    shapes[result] = shape
+    yield line, result, shape, opcode, [o for o in _operands(arguments) if o in shapes]
+
+
+def _known_trips(line: str, result: str, counted: str) -> int:
+  """A while loop's known trip count, or an error naming what cannot be counted without it."""
+  trips = _TRIP_COUNT.search(line)
+  if trips is None:
+    raise ValueError(f"while loop {result} has no known trip count; its {counted} cannot be counted")
+  return int(trips.group(1))
+
+
 def bytes_moved(hlo: str, branch: Callable[[list[float]], float] = max) -> float:
   """Bytes an optimized HLO module's entry computation moves through device memory.
 
@@ -273,26 +296,17 @@ def bytes_moved(hlo: str, branch: Callable[[list[float]], float] = max) -> float
   def computation_bytes(name: str) -> float:
     shapes: dict[str, str] = {}
     total = 0.0
-    for line in bodies[name]:
-      match = _INSTRUCTION.match(line)
-      if not match:
-        continue
-      result, shape, opcode, arguments = match.groups()
-      shapes[result] = shape
+    for line, result, shape, opcode, operands in _instructions(bodies[name], shapes):
       if opcode in _FREE or opcode.endswith("-done"):
         continue
       if opcode == "while":
-        trips = _TRIP_COUNT.search(line)
-        if trips is None:
-          raise ValueError(f"while loop {result} has no known trip count; its bytes cannot be counted")
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
-        total += int(trips.group(1)) * computation_bytes(body)
+        total += _known_trips(line, result, "bytes") * computation_bytes(body)
         continue
       if opcode in ("call", "conditional"):
         called = _CALLED.findall(line) or re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[-1])
         total += branch([computation_bytes(c) for c in called if c in bodies] or [0.0])
         continue
-      operands = [o for o in _operands(arguments) if o in shapes]
       read, written = [shape_bytes(shapes[o]) for o in operands], shape_bytes(shape)
       fused = re.search(r"\bcalls=%?([\w.\-]+)", line) if opcode == "fusion" else None
       if fused and fused.group(1) in bodies:
@@ -330,13 +344,7 @@ def collective_bytes(hlo: str) -> dict[str, float]:
   def walk(name: str, trips: int) -> None:
     shapes: dict[str, str] = {}
     started: dict[str, tuple[str, float]] = {}
-    for line in bodies[name]:
-      match = _INSTRUCTION.match(line)
-      if not match:
-        continue
-      result, shape, opcode, arguments = match.groups()
-      shapes[result] = shape
-      operands = [o for o in _operands(arguments) if o in shapes]
+    for line, result, shape, opcode, operands in _instructions(bodies[name], shapes):
       kind = opcode.removesuffix("-start").removesuffix("-done")
       if kind in totals:
         if opcode.endswith("-start"):
@@ -347,12 +355,7 @@ def collective_bytes(hlo: str) -> dict[str, float]:
         else:
           totals[kind] += trips * max(sum(shape_bytes(shapes[o]) for o in operands), shape_bytes(shape))
         continue
-      loop_trips = 1
-      if opcode == "while":
-        known = _TRIP_COUNT.search(line)
-        if known is None:
-          raise ValueError(f"while loop {result} has no known trip count; its collectives cannot be counted")
-        loop_trips = int(known.group(1))
+      loop_trips = _known_trips(line, result, "collectives") if opcode == "while" else 1
       # An asynchronous wrapper's computation is followed from its start only.
       if opcode in (
         "async-update",
@@ -379,7 +382,33 @@ def collective_bytes(hlo: str) -> dict[str, float]:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepProgram:
+class ProgramMemory:
+  """A compiled program's memory on one device (``Compiled.memory_analysis``), in bytes."""
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+
+  @classmethod
+  def fields_of(cls, compiled: Any) -> dict[str, int]:
+    """The fields of a compiled program's ``memory_analysis``, to build this class or one derived from it."""
+    analysis = compiled.memory_analysis()
+    return {
+      "argument_bytes": analysis.argument_size_in_bytes,
+      "output_bytes": analysis.output_size_in_bytes,
+      "alias_bytes": analysis.alias_size_in_bytes,
+      "temp_bytes": analysis.temp_size_in_bytes,
+    }
+
+  @property
+  def peak_bytes(self) -> int:
+    """Arguments + outputs - aliased + temporaries."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram(ProgramMemory):
   """What one donated step ``(params, state, grads) -> (params, state)`` costs on one device.
 
   Bytes are one device's; ``n_params`` counts the whole model.
@@ -390,15 +419,7 @@ class StepProgram:
   gradient_bytes: int
   state_bytes: int
   moved_bytes: float
-  argument_bytes: int
-  output_bytes: int
-  alias_bytes: int
-  temp_bytes: int
   hlo: str = dataclasses.field(repr=False)
-
-  @property
-  def peak_bytes(self) -> int:
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
   @property
   def temporaries_bytes(self) -> int:
@@ -510,7 +531,6 @@ def compile_step(
     .lower(placed_params, placed_state, placed_params)
     .compile()
   )
-  memory = compiled.memory_analysis()
   hlo = compiled.as_text()
   param_bytes = _per_device_bytes(placed_params)
   return StepProgram(
@@ -519,11 +539,8 @@ def compile_step(
     gradient_bytes=param_bytes,
     state_bytes=_per_device_bytes(placed_state),
     moved_bytes=bytes_moved(hlo),
-    argument_bytes=memory.argument_size_in_bytes,
-    output_bytes=memory.output_size_in_bytes,
-    alias_bytes=memory.alias_size_in_bytes,
-    temp_bytes=memory.temp_size_in_bytes,
     hlo=hlo,
+    **ProgramMemory.fields_of(compiled),
   )
 
 

@@ -52,7 +52,7 @@ MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainStepProgram:
+class TrainStepProgram(gpu_compile.ProgramMemory):
   """XLA's peak of one compiled training step on one device, and its parts, in bytes."""
 
   target: str
@@ -61,16 +61,8 @@ class TrainStepProgram:
   gradient_bytes: int
   state_bytes: int
   batch_bytes: int
-  argument_bytes: int
-  output_bytes: int
-  alias_bytes: int
-  temp_bytes: int
   memory: int  # The device's memory.
   margin: float  # The share of ``memory`` kept free.
-
-  @property
-  def peak_bytes(self) -> int:
-    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
   @property
   def activations_bytes(self) -> int:
@@ -89,6 +81,17 @@ class TrainStepProgram:
 
 def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tree)
+
+
+def training_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTransformation) -> Callable:
+  """``step(params, state, batch) -> (params, state, loss)``: gradients of ``loss_fn``, ``tx``'s update, applied."""
+
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  return step
 
 
 def compile_train_step(
@@ -129,13 +132,8 @@ def compile_train_step(
   params, batch = _abstract(params), _abstract(batch)
   state = jax.eval_shape(tx.init, params)
 
-  def step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
+  step = training_step(loss_fn, tx)
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(place(params), place(state), place(batch)).compile()
-  analysis = compiled.memory_analysis()
   param_bytes = state_nbytes(params)
   return TrainStepProgram(
     target=target,
@@ -144,12 +142,9 @@ def compile_train_step(
     gradient_bytes=param_bytes,
     state_bytes=state_nbytes(state),
     batch_bytes=state_nbytes(batch),
-    argument_bytes=analysis.argument_size_in_bytes,
-    output_bytes=analysis.output_size_in_bytes,
-    alias_bytes=analysis.alias_size_in_bytes,
-    temp_bytes=analysis.temp_size_in_bytes,
     memory=gpu_compile.device_memory_bytes(target) if memory is None else memory,
     margin=margin,
+    **gpu_compile.ProgramMemory.fields_of(compiled),
   )
 
 
