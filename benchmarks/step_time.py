@@ -100,9 +100,8 @@ class Timed:
   (``compile``), then take their first steps one after another (``start``).
   """
 
-  def __init__(self, optimizer, params, grads, steps_per_call: int = 1):
+  def __init__(self, optimizer, params, steps_per_call: int = 1):
     self.optimizer, self.params, self.steps_per_call = optimizer, params, steps_per_call
-    self.grads_shape = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, g.dtype), grads)
     self.seconds: list[float] = []
 
   def compile(self, grads) -> None:
@@ -271,7 +270,7 @@ def main(argv=None) -> None:
           # "default": each op's own choice (benchmarks/README.md says which on a GPU).
           path = (implementation or "default") if spec.has_kernels else "xla"
           fresh = jax.tree.map(jnp.copy, params)  # Donation consumes the buffers.
-          timed.append((name, path, rounding, Timed(optimizer, fresh, grads, args.steps_per_call)))
+          timed.append((name, path, rounding, Timed(optimizer, fresh, args.steps_per_call)))
 
       def compile_within_budget(entry, model=model, param_dtype=param_dtype, params=params, grads=grads):
         name, path, rounding, timed_step = entry
