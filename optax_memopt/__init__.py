@@ -8,7 +8,7 @@ from optax_memopt.sharding import state_shardings
 from optax_memopt.state_bytes import state_nbytes
 from optax_memopt.stochastic_rounding import StochasticRoundingState, stochastic_rounding, with_stochastic_rounding
 from optax_memopt.taco import MatrixAxes, ScaleByTacoState, scale_by_taco, taco, taco_labels
-from optax_memopt.ternary_adam import FactoredSecondMoment, ScaleByTernaryAdamState, scale_by_ternary_adam, ternary_adam
+from optax_memopt.ternary_adam import ScaleByTernaryAdamState, TernaryAdamNu, scale_by_ternary_adam, ternary_adam
 from optax_memopt.vocabulary import vocabulary_in_float32
 
 __version__ = "0.1.0"
@@ -20,7 +20,6 @@ __all__ = [
   "adamw_8bit",
   "adamw_fp8",
   "BlockRule",
-  "FactoredSecondMoment",
   "MatrixAxes",
   "microadam",
   "scale_by_adam_mini",
@@ -40,6 +39,20 @@ __all__ = [
   "taco",
   "taco_labels",
   "ternary_adam",
+  "TernaryAdamNu",
   "vocabulary_in_float32",
   "with_stochastic_rounding",
 ]
+
+
+# Public names before issue 42, kept readable with a DeprecationWarning.
+_RENAMED = {"FactoredSecondMoment": "TernaryAdamNu"}
+
+
+def __getattr__(name: str):
+  if name in _RENAMED:
+    import warnings
+
+    warnings.warn(f"optax_memopt.{name} is optax_memopt.{_RENAMED[name]}.", DeprecationWarning, stacklevel=2)
+    return globals()[_RENAMED[name]]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

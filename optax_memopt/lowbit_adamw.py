@@ -179,11 +179,11 @@ def scale_by_lowbit_adam(
     del params
     count = optax.safe_increment(state.count)
 
-    def update_leaf(grad, mu, nu, mu_scales, nu_scales):
+    def update_leaf(grad, mu_or_paired, nu, mu_scales, nu_scales):
       if quantized(grad):
         direction, moments = lowbit_adamw_update.lowbit_adamw_update(
           grad,
-          lowbit_adamw_update.LowbitMoments(mu, nu, mu_scales, nu_scales),
+          lowbit_adamw_update.LowbitMoments(mu_or_paired, nu, mu_scales, nu_scales),
           count=count,
           b1=b1,
           b2=b2,
@@ -192,7 +192,7 @@ def scale_by_lowbit_adam(
           block_size=block_size,
         )
         return direction, moments
-      mu, nu = lowbit_adamw_update.adamw_moments(grad, mu, nu, count=count, b1=b1, b2=b2)
+      mu, nu = lowbit_adamw_update.adamw_moments(grad, mu_or_paired, nu, count=count, b1=b1, b2=b2)
       direction = lowbit_adamw_update.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
       return direction.astype(grad.dtype), lowbit_adamw_update.LowbitMoments(mu, nu, mu_scales, nu_scales)
 

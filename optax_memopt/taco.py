@@ -156,7 +156,7 @@ class ScaleByTacoState(NamedTuple):
   ``slots = min(k, n_out)`` for one segment). The segment axis lets the state
   shard with its parameter's output axis (``optax_memopt.state_shardings``).
 
-  ``indices``, ``momentum`` and ``scales`` are trees like the parameters, with
+  ``indices``, ``mu`` and ``scales`` are trees like the parameters, with
   exactly one array per parameter (the layout Flax NNX's ``nnx.Optimizer``
   keeps intact under ``nnx.jit``); with ``k = 0`` those arrays are empty
   (``slots = 0``), of the shapes below.
@@ -167,15 +167,17 @@ class ScaleByTacoState(NamedTuple):
   # static_args.INT16_INDEX_LIMIT outputs): the tracked output indices,
   # distinct within a row.
   indices: optax.Updates
-  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: momentum / scales.
-  momentum: optax.Updates
+  # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: the tracked
+  # entries' momentum (optax's mu: an EMA of the gradient) / scales. Saved as
+  # momentum before issue 42 (optax_memopt.checkpoint restores those checkpoints).
+  mu: optax.Updates
   # shape=(*batch_shape, n_in, min(parts * slots, 1)), dtype=jnp.bfloat16: a power of two.
   scales: optax.Updates
 
   field_layouts = {
     "count": sharding.Layout.REPLICATED,
     "indices": sharding.Layout.BLOCKS,
-    "momentum": sharding.Layout.BLOCKS,
+    "mu": sharding.Layout.BLOCKS,
     "scales": sharding.Layout.ROWS,
   }
 
@@ -364,7 +366,7 @@ def scale_by_taco(
     return ScaleByTacoState(
       count=jnp.zeros([], jnp.int32),
       indices=with_path(first_columns, params),
-      momentum=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
+      mu=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
       scales=with_path(unit_scale, params),
     )
 
@@ -415,11 +417,9 @@ def scale_by_taco(
 
   def update_fn(updates, state, params=None):
     del params
-    steps = jax.tree_util.tree_map_with_path(update_leaf, updates, state.indices, state.momentum, state.scales)
-    directions, indices, momentum, scales = leaves.unzip(updates, steps, 4)
-    return directions, ScaleByTacoState(
-      count=optax.safe_increment(state.count), indices=indices, momentum=momentum, scales=scales
-    )
+    steps = jax.tree_util.tree_map_with_path(update_leaf, updates, state.indices, state.mu, state.scales)
+    directions, indices, mu, scales = leaves.unzip(updates, steps, 4)
+    return directions, ScaleByTacoState(count=optax.safe_increment(state.count), indices=indices, mu=mu, scales=scales)
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))
 

@@ -82,9 +82,9 @@ import optax
 
 from optax_memopt import hyperparameters, leaves, sharding
 from optax_memopt.ternary_adam_state import (
-  FactoredSecondMoment,
   ScaleByTernaryAdamState,
-  TernaryMoment,
+  TernaryAdamMu,
+  TernaryAdamNu,
   init_state,
   is_factored,
   is_ternary,
@@ -94,9 +94,9 @@ from pallas_kernels.blocks import blocks_shape, to_blocks
 from pallas_kernels.ternary_adam_update import block_statistics, ternary_adam_update
 
 __all__ = [
-  "FactoredSecondMoment",
   "ScaleByTernaryAdamState",
-  "TernaryMoment",
+  "TernaryAdamMu",
+  "TernaryAdamNu",
   "scale_by_ternary_adam",
   "ternary_adam",
 ]
@@ -231,7 +231,7 @@ def scale_by_ternary_adam(
     >>> updates, state = opt.update(grads, state)
     >>> bool(jnp.allclose(updates["w"], 1.0, atol=1e-4))  # Adam's first step: sign(g).
     True
-    >>> state.mu.packed["w"].shape, state.nu.row["w"].shape, state.nu.dense["b"].shape
+    >>> state.mu.packed["w"].shape, state.nu.row["w"].shape, state.nu.per_element["b"].shape
     ((64, 1, 26), (64,), (128,))
 
   References:
@@ -309,10 +309,10 @@ def scale_by_ternary_adam(
       seeds,
       state.mu.packed,
       state.mu.scales,
-      state.mu.dense,
+      state.mu.per_element,
       state.nu.row,
       state.nu.col,
-      state.nu.dense,
+      state.nu.per_element,
     )
     # Each field of the results, as a tree like the gradients (None where
     # a field does not apply to a parameter).
@@ -320,8 +320,8 @@ def scale_by_ternary_adam(
     new_state = ScaleByTernaryAdamState(
       count=count,
       key=jax.random.key_data(next_key),
-      mu=TernaryMoment(packed=packed, scales=scales, dense=mu),
-      nu=FactoredSecondMoment(row=row, col=col, dense=nu),
+      mu=TernaryAdamMu(packed=packed, scales=scales, per_element=mu),
+      nu=TernaryAdamNu(row=row, col=col, per_element=nu),
     )
     return directions, new_state
 

@@ -3,13 +3,15 @@
 Each parameter falls in one of three kinds, by its size and rank:
 
 * **small** (fewer than ``min_quantized_size`` elements): plain Adam,
-  float32 ``m`` and ``nu`` of the parameter's shape;
+  float32 ``mu`` and ``nu`` of the parameter's shape (``mu.per_element``,
+  ``nu.per_element``);
 * **ternary vector** (at least ``min_quantized_size`` elements, rank < 2):
-  ``m`` as block-major trits (:mod:`pallas_kernels.ternary`), float32 ``nu``
-  of the parameter's shape;
+  ``mu`` as block-major trits (:mod:`pallas_kernels.ternary`;
+  ``mu.packed``, ``mu.scales``), float32 ``nu`` of the parameter's shape
+  (``nu.per_element``);
 * **ternary matrix** (at least ``min_quantized_size`` elements, rank >= 2):
-  ``m`` as trits, ``nu`` as Adafactor's row and column statistics over the
-  last two axes.
+  ``mu`` as trits, ``nu`` as Adafactor's row and column statistics over the
+  last two axes (``nu.row``, ``nu.col``).
 
 Every field is a tree shaped like the parameters holding at most one array
 per parameter (Flax NNX rebuilds any container found at a parameter's place
@@ -30,8 +32,13 @@ from optax_memopt import sharding
 from pallas_kernels import ternary
 
 
-class TernaryMoment(NamedTuple):
-  """The first moment ``m``, one tree per field."""
+class TernaryAdamMu(NamedTuple):
+  """The first moment ``mu``: trits and block scales per ternary parameter, float32 per small one.
+
+  One tree per field. Named ``TernaryMoment``, with ``per_element`` named
+  ``dense``, before issue 42 (``optax_memopt.checkpoint`` restores
+  checkpoints saved then).
+  """
 
   # uint8 (*blocks, ceil(block_size / trits_per_byte)) per ternary parameter,
   # the block-major layout of ternary.shapes; None per small one.
@@ -41,13 +48,22 @@ class TernaryMoment(NamedTuple):
   scales: optax.Updates
   # float32 of the parameter's shape per small parameter; None per
   # ternary one.
-  dense: optax.Updates
+  per_element: optax.Updates
 
-  field_layouts = {"packed": sharding.Layout.BLOCKS, "scales": sharding.Layout.BLOCKS, "dense": sharding.Layout.PARAM}
+  field_layouts = {
+    "packed": sharding.Layout.BLOCKS,
+    "scales": sharding.Layout.BLOCKS,
+    "per_element": sharding.Layout.PARAM,
+  }
 
 
-class FactoredSecondMoment(NamedTuple):
-  """The second moment ``nu``, one tree per field."""
+class TernaryAdamNu(NamedTuple):
+  """The second moment ``nu``: row and column statistics per ternary matrix, float32 per other parameter.
+
+  One tree per field. Named ``FactoredSecondMoment``, with ``per_element``
+  named ``dense``, before issue 42 (``optax_memopt.checkpoint`` restores
+  checkpoints saved then).
+  """
 
   # float32 (..., r) per ternary matrix (..., r, c): EMA of the mean of
   # g**2 + 1e-30 over the last axis; None per other parameter.
@@ -57,7 +73,7 @@ class FactoredSecondMoment(NamedTuple):
   col: optax.Updates
   # float32 of the parameter's shape per small parameter and ternary vector;
   # None per ternary matrix.
-  dense: optax.Updates
+  per_element: optax.Updates
 
   # The row statistics follow the rows, cut over the whole mesh as the
   # partitioner scatters a reduction over a sharded last axis. The column
@@ -68,7 +84,7 @@ class FactoredSecondMoment(NamedTuple):
   field_layouts = {
     "row": sharding.Layout.FLAT,
     "col": sharding.Layout.COLUMN_STATISTICS,
-    "dense": sharding.Layout.PARAM,
+    "per_element": sharding.Layout.PARAM,
   }
 
 
@@ -77,8 +93,8 @@ class ScaleByTernaryAdamState(NamedTuple):
 
   count: jax.typing.ArrayLike  # shape=(), dtype=jnp.int32.
   key: jax.Array  # uint32 key data of the rounding key, shape of the key's impl.
-  mu: TernaryMoment  # Three trees like the params (see TernaryMoment).
-  nu: FactoredSecondMoment  # Three trees like the params (see FactoredSecondMoment).
+  mu: TernaryAdamMu  # Three trees like the params (see TernaryAdamMu).
+  nu: TernaryAdamNu  # Three trees like the params (see TernaryAdamNu).
 
   # mu and nu declare their own fields' layouts.
   field_layouts = {"count": sharding.Layout.REPLICATED, "key": sharding.Layout.REPLICATED, "mu": None, "nu": None}
@@ -104,7 +120,7 @@ def init_state(
       return ternary.zeros(param.shape, block_size=block_size, packing=packing)
     return None, None
 
-  def zero_dense(param, applies):
+  def zero_per_element(param, applies):
     return jnp.zeros(param.shape, jnp.float32) if applies else None
 
   def zero_statistic(param, axis):
@@ -117,14 +133,14 @@ def init_state(
   return ScaleByTernaryAdamState(
     count=jnp.zeros([], jnp.int32),
     key=key_data,
-    mu=TernaryMoment(
+    mu=TernaryAdamMu(
       packed=jax.tree.map(lambda p: zero_trits(p)[0], params),
       scales=jax.tree.map(lambda p: zero_trits(p)[1], params),
-      dense=jax.tree.map(lambda p: zero_dense(p, not is_ternary(p, min_quantized_size)), params),
+      per_element=jax.tree.map(lambda p: zero_per_element(p, not is_ternary(p, min_quantized_size)), params),
     ),
-    nu=FactoredSecondMoment(
+    nu=TernaryAdamNu(
       row=jax.tree.map(lambda p: zero_statistic(p, -1), params),
       col=jax.tree.map(lambda p: zero_statistic(p, -2), params),
-      dense=jax.tree.map(lambda p: zero_dense(p, not is_factored(p, min_quantized_size)), params),
+      per_element=jax.tree.map(lambda p: zero_per_element(p, not is_factored(p, min_quantized_size)), params),
     ),
   )

@@ -512,7 +512,7 @@ def _requantize_kernel(
   """
   b = lax.axis_index(_GRID_AXIS)
   old_minimum = min_ref[b, 0, 0].astype(jnp.float32)
-  old_step = quantize.step_size(old_minimum, max_ref[b, 0, 0].astype(jnp.float32), bits)
+  old_step_size = quantize.step_size(old_minimum, max_ref[b, 0, 0].astype(jnp.float32), bits)
   valid = valid_ref[b, 0, 0]
   lanes = lanes_ref[...]
   rows_per_byte = _BITMAP_GROUP // _ROW
@@ -527,7 +527,7 @@ def _requantize_kernel(
     )
     halves = []
     for h, codes in enumerate(_load_codes(codes_ref, b, r, bits)):
-      x = y_ref[b, r, _half(h)].astype(jnp.float32) + quantize.decode(codes, old_minimum, old_step)
+      x = y_ref[b, r, _half(h)].astype(jnp.float32) + quantize.decode(codes, old_minimum, old_step_size)
       position = lanes + (r * _ROW + h * packing.PLANE_WIDTH)
       selected = (lane_bits & jnp.uint32(1 << h)) != 0
       halves.append((jnp.where(selected, 0.0, x), position < valid))

@@ -96,7 +96,9 @@ STATE_FORMATS: dict[str, StateFormat] = {
 class LowbitMoments(NamedTuple):
   """The stored moments of one tensor (shapes in the module docstring)."""
 
-  mu: jax.Array  # The tensor's shape: m's codes (4bit: m's and v's), uint8 or float8_e4m3fn.
+  # The tensor's shape: m's codes, uint8 or float8_e4m3fn; in 4bit both
+  # moments' codes paired in one uint8 (m's in the low nibble, v's in the high).
+  mu_or_paired: jax.Array
   nu: jax.Array | None  # The tensor's shape: v's codes; None for 4bit.
   mu_scales: jax.Array  # float32, (*blocks, 1).
   nu_scales: jax.Array  # float32, (*blocks, 1).
@@ -249,8 +251,8 @@ def _depending_on(codes: jax.Array, zero: jax.Array) -> jax.Array:
 
 def _split_codes(moments: LowbitMoments, state_format: str) -> tuple[jax.Array, jax.Array]:
   if _paired(state_format):
-    return moments.mu & np.uint8(0xF), moments.mu >> np.uint8(4)
-  return moments.mu, moments.nu
+    return moments.mu_or_paired & np.uint8(0xF), moments.mu_or_paired >> np.uint8(4)
+  return moments.mu_or_paired, moments.nu
 
 
 def _join_codes(mu_codes: jax.Array, nu_codes: jax.Array, state_format: str) -> tuple[jax.Array, jax.Array]:
@@ -323,7 +325,7 @@ def lowbit_adamw_update(
     ...     grad, moments, count=1, b1=0.9, b2=0.999, eps=1e-8, state_format="8bit", block_size=256)
     >>> bool(jnp.allclose(direction, jnp.sign(grad), atol=1e-4))  # Adam's first step.
     True
-    >>> moments.mu.dtype, moments.mu_scales.shape
+    >>> moments.mu_or_paired.dtype, moments.mu_scales.shape
     (dtype('uint8'), (2, 1, 1))
   """
   grad = jnp.asarray(grad)

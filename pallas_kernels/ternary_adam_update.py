@@ -210,7 +210,7 @@ def _codes_written_out_on_gpu(codes: jax.Array) -> jax.Array:
   )
 
 
-def _step_xla(
+def _update_blocks(
   grad: jax.Array,
   stored: jax.Array,
   scales: jax.Array,
@@ -269,7 +269,7 @@ def _hyperparameters(count, b1, b2, eps) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "layout", "update_nu"))
-def _step(
+def _jitted_update(
   grad,
   stored,
   scales,
@@ -286,7 +286,7 @@ def _step(
   update_nu: bool,
 ):
   hyper = _hyperparameters(count, b1, b2, eps)
-  direction, new_stored, new_scales, new_nu = _step_xla(
+  direction, new_stored, new_scales, new_nu = _update_blocks(
     grad,
     stored,
     scales,
@@ -425,7 +425,7 @@ def ternary_adam_update(
   static_args.check_decay_rate("b2", b2)
   static_args.check_non_negative("eps", eps)
 
-  return _step(
+  return _jitted_update(
     grad,
     stored,
     scales,

@@ -99,7 +99,7 @@ def test_resumed_run_equals_uninterrupted_run(name, dtype, seed, tmp_path):
   chex.assert_trees_all_equal(resumed_state, expected_state)
 
 
-SAVED_BY_0_1_0 = pathlib.Path(__file__).parent / "data" / "checkpoints"
+SAVED_CHECKPOINTS = pathlib.Path(__file__).parent / "data" / "checkpoints"
 
 
 def three_steps(optimizer, params):
@@ -113,7 +113,10 @@ def three_steps(optimizer, params):
 
 
 def taco_three_steps():
-  """The run whose state release 0.1.0 saved into ``taco_0.1.0`` (TACO's fields then: index, scale)."""
+  """The run whose state ``taco_0.1.0`` and ``taco_92960de`` hold.
+
+  TACO's fields in the first: index, momentum, scale; in the second: indices, momentum, scales.
+  """
   params = {"w": jax.random.normal(jax.random.key(0), (16, 24)), "b": jnp.zeros((24,))}
   return three_steps(optax_memopt.taco(1e-2, k=4), params)
 
@@ -124,15 +127,39 @@ def adamw_4bit_three_steps():
   return three_steps(optax_memopt.adamw_4bit(1e-2, weight_decay=1e-4), params)
 
 
-@pytest.mark.parametrize("saved, run", [("taco_0.1.0", taco_three_steps), ("adamw_4bit_0.1.0", adamw_4bit_three_steps)])
-def test_a_checkpoint_saved_before_a_field_was_renamed_restores(saved, run):
-  directory = SAVED_BY_0_1_0 / saved
+def ternary_adam_three_steps():
+  """The run whose state ``ternary_adam_92960de`` holds (mu's and nu's per_element then: dense).
+
+  A matrix (trits, row and column statistics), a vector of ``min_quantized_size``
+  elements (trits, per-element nu) and a small vector (per-element mu and nu).
+  """
+  params = {"w": jax.random.normal(jax.random.key(0), (64, 128)), "v": jnp.ones((4096,)), "b": jnp.zeros((24,))}
+  return three_steps(optax_memopt.ternary_adam(1e-2, weight_decay=1e-4), params)
+
+
+@pytest.mark.parametrize(
+  "saved, saved_by, run",
+  [
+    ("taco_0.1.0", "0.1.0", taco_three_steps),
+    ("adamw_4bit_0.1.0", "0.1.0", adamw_4bit_three_steps),
+    ("taco_92960de", "main-92960de", taco_three_steps),
+    ("ternary_adam_92960de", "main-92960de", ternary_adam_three_steps),
+  ],
+)
+def test_a_checkpoint_saved_before_a_field_was_renamed_restores(saved, saved_by, run):
+  """Each checkpoint was saved by the code named in its directory, before a rename of its state's fields."""
+  directory = SAVED_CHECKPOINTS / saved
   assert directory.exists(), f"checkpoint missing: {directory}"
   params, state = run()
   target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
   with pytest.raises(ValueError, match="not found"):
     ocp.StandardCheckpointer().restore(directory, target)
-  saved = ocp.StandardCheckpointer().restore(directory, checkpoint.target_with_saved_names(target))
-  restored = checkpoint.rename_restored(saved, target)
+  saved = ocp.StandardCheckpointer().restore(directory, checkpoint.target_with_saved_names(target, saved_by))
+  restored = checkpoint.rename_restored(saved, target, saved_by)
   assert jax.tree.structure(restored) == jax.tree.structure(target)
   assert bitwise(restored) == bitwise({"params": params, "opt_state": state})
+
+
+def test_saved_by_names_the_code_that_saved_a_checkpoint():
+  with pytest.raises(ValueError, match="saved_by must be one of '0.1.0', 'main-92960de'; got '0.2.0'"):
+    checkpoint.target_with_saved_names({}, saved_by="0.2.0")

@@ -14,7 +14,7 @@ from pallas_kernels import lowbit_adamw_update
 def test_moments_of_another_layout_are_refused_naming_the_field():
   grad = jnp.ones((4, 256))
   moments = lowbit_adamw_update.zero_moments((4, 128), state_format="fp8", block_size=128)
-  with pytest.raises(ValueError, match=r"^moments.mu must be float8_e4m3fn\[4, 256\]"):
+  with pytest.raises(ValueError, match=r"^moments.mu_or_paired must be float8_e4m3fn\[4, 256\]"):
     lowbit_adamw_update.lowbit_adamw_update(
       grad,
       moments,

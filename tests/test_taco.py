@@ -143,7 +143,7 @@ def test_heavy_hitter_state_stays_valid(segments, seed):
     else:
       parts, per_part = -(-n_out // -(-n_out // k)), 1
     slots = parts * per_part
-    index, codes, scale = state.indices[name], state.momentum[name], state.scales[name]
+    index, codes, scale = state.indices[name], state.mu[name], state.scales[name]
     message = f"{name}, seed={seed}"
     assert index.shape == (*shape[:-1], parts, per_part) and index.dtype == jnp.int16, message
     assert codes.shape == index.shape and codes.dtype == jnp.float8_e4m3fn, message
@@ -187,7 +187,7 @@ def test_tracking_every_output_is_momentum_then_vanilla_selection(shape, segment
   np.put_along_axis(
     stored,
     np.asarray(state.indices["w"], np.int64).reshape(shape[0], -1),
-    dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(shape[0], -1),
+    dequantized(state.mu["w"], state.scales["w"][..., None]).reshape(shape[0], -1),
     axis=1,
   )
   np.testing.assert_array_equal(stored, momentum, err_msg=f"seed={seed}")
@@ -208,7 +208,7 @@ def assert_steps_follow_the_merge_rule(seed, shape, k, segments, dtype=jnp.float
   rows = shape[0]
   np.testing.assert_array_equal(state.indices["w"].reshape(rows, -1), want_columns, err_msg=f"seed={seed}")
   np.testing.assert_array_equal(
-    dequantized(state.momentum["w"], state.scales["w"][..., None]).reshape(rows, -1),
+    dequantized(state.mu["w"], state.scales["w"][..., None]).reshape(rows, -1),
     want_momenta,
     err_msg=f"seed={seed}",
   )

@@ -84,16 +84,16 @@ def test_state_keeps_its_packed_shapes_and_dtypes_across_steps(packing, trits_pe
     packed, scales = state.mu.packed[name], state.mu.scales[name]
     assert packed.shape == (*shape, bytes_per_block) and packed.dtype == jnp.uint8, name
     assert scales.shape == (*shape, 1) and scales.dtype == jnp.float32, name
-    assert state.mu.dense[name] is None, name
+    assert state.mu.per_element[name] is None, name
   assert state.mu.packed["small"] is None and state.mu.scales["small"] is None
-  assert _layout_of(state.mu.dense["small"]) == ((10, 20), jnp.float32)
+  assert _layout_of(state.mu.per_element["small"]) == ((10, 20), jnp.float32)
   statistics = {"matrix": ((30,), (64,)), "stack": ((3, 20), (3, 16))}
   for name, (row, col) in statistics.items():
     assert _layout_of(state.nu.row[name]) == (row, jnp.float32), name
     assert _layout_of(state.nu.col[name]) == (col, jnp.float32), name
-    assert state.nu.dense[name] is None, name
+    assert state.nu.per_element[name] is None, name
   for name, shape in (("vector", (700,)), ("small", (10, 20))):
-    assert _layout_of(state.nu.dense[name]) == (shape, jnp.float32), name
+    assert _layout_of(state.nu.per_element[name]) == (shape, jnp.float32), name
     assert state.nu.row[name] is None and state.nu.col[name] is None, name
   assert state.key.dtype == jnp.uint32
 
