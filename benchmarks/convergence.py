@@ -550,6 +550,26 @@ def _means_of(losses: list[float], every: int) -> list[float]:
   return [round(float(np.mean(losses[i : i + every])), 4) for i in range(0, len(losses), every)]
 
 
+def train_task(
+  config: model.TransformerConfig, tx, task: Task, *, seed: int, params=None
+) -> tuple[loop.TrainResult, loop.NonFiniteLossError | None]:
+  """``tx`` trained on ``task``'s corpus for its steps, in the protocol's batches; a divergence returned, not raised.
+
+  As :func:`memopt_tools.training.loop.train_allowing_divergence`, from
+  ``params`` (a fine-tuning base) or a fresh initialisation from ``seed``.
+  """
+  return loop.train_allowing_divergence(
+    config,
+    tx,
+    steps=task.steps,
+    batch_size=BATCH_SIZE,
+    seq_len=SEQ_LEN,
+    seed=seed,
+    corpus=task.corpus,
+    params=params,
+  )
+
+
 def train_once(name: str, size: str, task: str, exponent: int, seed: int, params=None) -> dict:
   """One run's record for the results: its losses, its state's size, its time."""
   setting = PROTOCOL[size][task]
@@ -560,21 +580,10 @@ def train_once(name: str, size: str, task: str, exponent: int, seed: int, params
   if name == TACO_FALLBACK_AT_ADAMW_RATE:
     options["fallback_learning_rate"] = learning_rate_schedule(ADAMW_BEST_FINETUNE_RATE[size], setting.steps)
   start = time.perf_counter()
-  try:
-    result = loop.train(
-      config,
-      spec.build(learning_rate_schedule(peak, setting.steps), config, **options),
-      steps=setting.steps,
-      batch_size=BATCH_SIZE,
-      seq_len=SEQ_LEN,
-      seed=seed,
-      corpus=setting.corpus,
-      params=params,
-    )
-    figures = report.summary(name, result)
-  except loop.NonFiniteLossError as error:
-    # A rate that diverges loses the sweep; the other rates still run.
-    figures = report.summary(name, error.result, diverged_at_step=error.step)
+  tx = spec.build(learning_rate_schedule(peak, setting.steps), config, **options)
+  # A rate that diverges loses the sweep; the other rates still run.
+  result, divergence = train_task(config, tx, setting, seed=seed, params=params)
+  figures = report.summary(name, result, diverged_at_step=None if divergence is None else divergence.step)
   return {
     "size": size,
     "task": task,

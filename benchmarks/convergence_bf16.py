@@ -45,7 +45,7 @@ import optax
 import optax_memopt
 from benchmarks import convergence
 from memopt_tools.main_job import learning_rate_schedule
-from memopt_tools.training import loop, optimizers
+from memopt_tools.training import optimizers
 
 RESULTS = convergence.ROOT / "benchmarks" / "data" / "convergence_bf16.json"
 SIZE, TASK = "small", "finetune"
@@ -231,20 +231,9 @@ def train_once(case: Case, seed: int, base_params) -> dict:
     tx = optax_memopt.with_stochastic_rounding(tx, seed=seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)
   start = time.perf_counter()
-  try:
-    result = loop.train(
-      config,
-      tx,
-      steps=task.steps,
-      batch_size=convergence.BATCH_SIZE,
-      seq_len=convergence.SEQ_LEN,
-      seed=seed,
-      corpus=task.corpus,
-      params=params,
-    )
-    validation, diverged = result.validation_loss, None
-  except loop.NonFiniteLossError as error:
-    result, validation, diverged = error.result, None, error.step
+  result, divergence = convergence.train_task(config, tx, task, seed=seed, params=params)
+  diverged = None if divergence is None else divergence.step
+  validation = None if diverged else result.validation_loss
   return {
     "optimizer": case.optimizer,
     "exponent": case.exponent,

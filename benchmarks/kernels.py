@@ -45,6 +45,8 @@ BITS = 4
 BUCKET = 1024
 BLOCK = 16384
 DENSITY = 0.01
+# What both error-feedback ops take, at those defaults.
+_FEEDBACK = dict(density=DENSITY, block_size=BLOCK, bits=BITS, bucket_size=BUCKET)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +78,7 @@ def _statistics_bytes(n: int) -> int:
 
 
 def _select(q, y, implementation):
-  return error_feedback.feedback_topk(
-    q, y, density=DENSITY, block_size=BLOCK, bits=BITS, bucket_size=BUCKET, implementation=implementation
-  )
+  return error_feedback.feedback_topk(q, y, **_FEEDBACK, implementation=implementation)
 
 
 def _with_selection(key, n):
@@ -100,16 +100,7 @@ def _cases() -> list[KernelCase]:
       "requantize_unselected",
       _with_selection,
       lambda q, y, indices, values, implementation: error_feedback.requantize_unselected(
-        q,
-        y,
-        indices,
-        values,
-        density=DENSITY,
-        block_size=BLOCK,
-        bits=BITS,
-        bucket_size=BUCKET,
-        stats_dtype=jnp.bfloat16,
-        implementation=implementation,
+        q, y, indices, values, **_FEEDBACK, stats_dtype=jnp.bfloat16, implementation=implementation
       ),
       # Reads the gradient, the selection, the codes and statistics; writes new codes and statistics.
       lambda n: 4 * n + _selection_bytes(n) + 2 * (codes(n) + _statistics_bytes(n)),

@@ -234,24 +234,21 @@ def run(name: str, args, config: model.TransformerConfig) -> dict:
   peak = spec.default_learning_rate if args.learning_rate is None else args.learning_rate
   optimizer = spec.build(learning_rate_schedule(peak, args.steps), config)
   started = time.perf_counter()
-  try:
-    result = loop.train(
-      config,
-      optimizer,
-      steps=args.steps,
-      batch_size=args.batch_size,
-      seq_len=args.seq_len,
-      seed=args.seed,
-      corpus=args.corpus,
-      progress=None if args.quiet else progress_printer(name, args.steps),
-    )
-  except loop.NonFiniteLossError as error:
+  result, divergence = loop.train_allowing_divergence(
+    config,
+    optimizer,
+    steps=args.steps,
+    batch_size=args.batch_size,
+    seq_len=args.seq_len,
+    seed=args.seed,
+    corpus=args.corpus,
+    progress=None if args.quiet else progress_printer(name, args.steps),
+  )
+  if divergence is not None:
     if not args.quiet:
       sys.stderr.write("\n")
-    print(f"error: {name}: {error} (peak learning rate {peak:g}); try a smaller --learning-rate", file=sys.stderr)
-    row = report.summary(name, error.result, diverged_at_step=error.step)
-  else:
-    row = report.summary(name, result)
+    print(f"error: {name}: {divergence} (peak learning rate {peak:g}); try a smaller --learning-rate", file=sys.stderr)
+  row = report.summary(name, result, diverged_at_step=None if divergence is None else divergence.step)
   return row | {"learning_rate": peak, "seconds": time.perf_counter() - started}
 
 

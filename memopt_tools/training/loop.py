@@ -155,5 +155,23 @@ def train(
   return result
 
 
+def train_allowing_divergence(
+  config: model.TransformerConfig, optimizer: optax.GradientTransformation, **options: Any
+) -> tuple[TrainResult, NonFiniteLossError | None]:
+  """``train``, with a run that diverges returned instead of raised.
+
+  Args:
+    config, optimizer, options: as for :func:`train`.
+
+  Returns:
+    The run's result and ``None``; for a run whose loss became NaN or
+    infinite, the run up to there (the error's ``result``) and the error.
+  """
+  try:
+    return train(config, optimizer, **options), None
+  except NonFiniteLossError as error:
+    return error.result, error
+
+
 def _size(params: Params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))

@@ -32,6 +32,11 @@ class OptimizerSpec:
   has_kernels: bool = False
 
 
+def _with_weight_decay(alias: Callable[..., optax.GradientTransformation], **options) -> Callable[..., Any]:
+  """``build`` for an alias at the shared weight decay, with ``options``; the model's config is not read."""
+  return lambda lr, config: alias(lr, weight_decay=WEIGHT_DECAY, **options)
+
+
 def _with_kernels(alias: Callable[..., optax.GradientTransformation], **options) -> Callable[..., Any]:
   """``build`` for one of our aliases that takes ``implementation=``, with the shared weight decay."""
   return lambda lr, config, implementation=None: alias(
@@ -41,12 +46,12 @@ def _with_kernels(alias: Callable[..., optax.GradientTransformation], **options)
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {
   "adamw": OptimizerSpec(
-    lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax.adamw),
     3e-3,
     "optax.adamw, fp32 m and v: the baseline",
   ),
   "adamw_bf16": OptimizerSpec(
-    lambda lr, config: optax.adamw(lr, weight_decay=WEIGHT_DECAY, mu_dtype="bfloat16"),
+    _with_weight_decay(optax.adamw, mu_dtype="bfloat16"),
     3e-3,
     "optax.adamw with a bf16 first moment",
   ),
@@ -71,39 +76,39 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "Adam-mini: one second moment per head, neuron or token",
   ),
   "ternary_adam": OptimizerSpec(
-    lambda lr, config: optax_memopt.ternary_adam(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax_memopt.ternary_adam),
     3e-3,
     "ternary-state Adam: base-3 trits with block scales for m, factored v",
   ),
   "taco": OptimizerSpec(
-    lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax_memopt.taco),
     1e-2,
     "TACO: signed argmax per input feature, one fp8 heavy hitter in each of 16 parts of a row;"
     " Adam on vectors and embeddings",
   ),
   "taco_one_segment": OptimizerSpec(
-    lambda lr, config: optax_memopt.taco(lr, weight_decay=WEIGHT_DECAY, segments=1),
+    _with_weight_decay(optax_memopt.taco, segments=1),
     1e-2,
     "TACO keeping each row's 16 largest momenta wherever they are (segments=1): a per-row top-k",
   ),
   "adamw_8bit": OptimizerSpec(
-    lambda lr, config: optax_memopt.adamw_8bit(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax_memopt.adamw_8bit),
     3e-3,
     "8-bit AdamW (bitsandbytes/torchao): dynamic-map codes of m and v, absmax per 256",
   ),
   "adamw_4bit": OptimizerSpec(
-    lambda lr, config: optax_memopt.adamw_4bit(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax_memopt.adamw_4bit),
     3e-3,
     "4-bit AdamW (torchao): dynamic map for m, linear map without zero for v, absmax per 128",
   ),
   "adamw_fp8": OptimizerSpec(
-    lambda lr, config: optax_memopt.adamw_fp8(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax_memopt.adamw_fp8),
     3e-3,
     "fp8 AdamW (torchao): float8 e4m3fn m and v, absmax / 448 per 256",
   ),
   "galore": OptimizerSpec(
     # optax's, not ours, at its defaults (rank 128, a new projection every 200 steps, Adam inside).
-    lambda lr, config: optax.contrib.galore(lr, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax.contrib.galore),
     3e-3,
     "optax.contrib.galore (optax's): Adam on each matrix's gradient projected on its top 128 singular vectors,"
     " an SVD every 200 steps",
@@ -178,7 +183,7 @@ VARIANTS: dict[str, OptimizerSpec] = {
   "galore_rank8": OptimizerSpec(
     # A state the size of ours (about 12 * 8 / dim bytes per parameter of a square matrix), and
     # a projection every 50 steps, so that the shortest (100-step) runs renew it.
-    lambda lr, config: optax.contrib.galore(lr, rank=8, update_proj_gap=50, weight_decay=WEIGHT_DECAY),
+    _with_weight_decay(optax.contrib.galore, rank=8, update_proj_gap=50),
     3e-3,
     "optax.contrib.galore (optax's) at rank 8, an SVD every 50 steps",
   ),
