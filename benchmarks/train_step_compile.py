@@ -22,7 +22,6 @@ checks it against the file).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -30,14 +29,13 @@ import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from memopt_tools import (  # First: it sets the CUDA plugin's environment.
   fit,  # noqa: E402
   gpu_compile,
   train_compile,
 )
-from memopt_tools.training import loop, model, optimizers  # noqa: E402
+from memopt_tools.training import model, optimizers  # noqa: E402
 
 # How the table names the models.
 MODELS = {"llama2_7b": "Llama-2-7B", "llama3_8b": "Llama-3-8B"}
@@ -46,9 +44,8 @@ KEY = ("model", "target", "param_dtype", "optimizer", "remat", "seq_len", "batch
 
 
 def measure(model_name: str, target: str, param_dtype: str, optimizer: str, remat: str, seq_len: int, batch: int):
-  config = dataclasses.replace(fit.MODELS[model_name], remat=remat)
-  graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]
-  params = fit.model_params(model_name, jnp.dtype(param_dtype))
+  config = fit.MODELS[model_name]
+  loss_fn, params, tokens = fit.training_loss(model_name, jnp.dtype(param_dtype), remat, seq_len)
   tx = train_compile.registered_optimizer(
     optimizer,
     n_heads=config.n_heads,
@@ -56,13 +53,7 @@ def measure(model_name: str, target: str, param_dtype: str, optimizer: str, rema
     stochastic_rounding=jnp.dtype(param_dtype) != jnp.float32,
   )
   start = time.perf_counter()
-  program = train_compile.compile_train_step(
-    lambda p, b: loop.next_token_loss(graphdef, p, b),
-    params,
-    jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32),
-    tx,
-    target=target,
-  )
+  program = train_compile.compile_train_step(loss_fn, params, tokens(batch), tx, target=target)
   return {
     "model": model_name,
     "target": target,
@@ -93,15 +84,18 @@ def render(results: dict) -> str:
   out = [
     f"Compiled with JAX {results['jax']}; GB (10^9 bytes) on one GPU. A step fits where XLA's peak is at most the"
     " GPU's memory less the margin kept for what the compile cannot see. Parameters and optimizer state are the"
-    " step's donated arguments, held throughout; the rest of the peak is what the step holds beside them at its"
-    " peak: the gradients XLA has not yet consumed, activations and other temporaries.",
+    " step's donated arguments, held throughout; gradients are one set in the parameters' dtype; activations and"
+    " the rest are the temporaries of the forward and backward pass compiled alone; the update is what the"
+    " whole step's peak holds beyond all of these, negative where XLA updates some parameters before the"
+    " backward pass has made every gradient.",
     "",
     "| model | GPU (memory, less margin) | parameters | optimizer | remat | batch x tokens"
-    " | params + state | gradients, activations and the rest | XLA's peak | fits |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    " | params + state | gradients | activations and the rest | the update | XLA's peak | fits |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in results["rows"]:
     memory = f"{row['target'].upper()} ({gb(row['memory'])}, {gb(row['memory'] * (1 - row['margin']))})"
+    update = row["peak"] - row["params"] - row["gradients"] - row["state"] - row["batch_bytes"] - row["activations"]
     cells = [
       MODELS[row["model"]],
       memory,
@@ -110,7 +104,9 @@ def render(results: dict) -> str:
       row["remat"],
       f"{row['batch']} x {row['seq_len']}",
       gb(row["params"] + row["state"]),
-      gb(row["peak"] - row["params"] - row["state"]),
+      gb(row["gradients"]),
+      gb(row["activations"]),
+      f"{update / 1e9:+.1f}",
       gb(row["peak"]),
       "yes" if row["fits"] else "no",
     ]

@@ -515,17 +515,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(compiled)
 
 
+def training_loss(model_name: str, param_dtype: Any, remat: str, seq_len: int) -> tuple[Callable, Any, Callable]:
+  """A built-in model's training: ``(loss_fn, params, tokens)``.
+
+  ``loss_fn(params, tokens)`` is the next-token loss, ``params`` the
+  parameters' shapes in ``param_dtype``, ``tokens(batch)`` a batch's shape:
+  ``batch`` sequences of ``seq_len + 1`` tokens (predicting ``seq_len``).
+  """
+  from memopt_tools.training import loop
+
+  config = dataclasses.replace(MODELS[model_name], remat=remat)
+  graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]
+  tokens = lambda batch: jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+  return (lambda p, batch: loop.next_token_loss(graphdef, p, batch)), model_params(model_name, param_dtype), tokens
+
+
 def _print_training_step(args: argparse.Namespace, param_dtype: Any, memory: Memory | None) -> None:
   """The training-step table of ``fit --compile T --batch B``, and with ``--largest-batch`` the largest batch."""
   from memopt_tools import gpu_compile, train_compile
-  from memopt_tools.training import loop
 
-  config = dataclasses.replace(MODELS[args.model], remat=args.remat)
-  graphdef = nnx.split(nnx.eval_shape(lambda: model.Transformer(config, rngs=nnx.Rngs(0))))[0]
-  params = model_params(args.model, param_dtype)
-  # Next-token prediction over seq_len positions reads seq_len + 1 tokens.
-  tokens = lambda batch: jax.ShapeDtypeStruct((batch, args.seq_len + 1), jnp.int32)
-  loss_fn = lambda p, batch: loop.next_token_loss(graphdef, p, batch)
+  config = MODELS[args.model]
+  loss_fn, params, tokens = training_loss(args.model, param_dtype, args.remat, args.seq_len)
   options = dict(
     target=args.compile,
     memory=None if memory is None else memory.nbytes,

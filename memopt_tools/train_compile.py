@@ -12,13 +12,20 @@ for a GPU of :data:`memopt_tools.gpu_compile.TARGETS` from shapes alone
 (``jax.eval_shape`` results: nothing is allocated, no GPU is needed), and
 reads XLA's peak of the optimized program (``Compiled.memory_analysis``:
 arguments + outputs - aliased + temporaries). The peak is cut into parts
-whose sizes are known, and what is left:
+whose sizes are known or measured on their own:
 
 * parameters, optimizer state and the batch: the step's arguments;
-* gradients: one set in the parameters' dtypes. XLA holds them among its
-  temporaries; counted whole, as they are when the optimizer reads them;
-* activations and the rest: the peak beyond those parts (what the backward
-  pass keeps from the forward pass, and every other temporary at the peak).
+* gradients: one set in the parameters' dtypes;
+* activations and the rest: the temporaries of the forward and backward
+  pass alone, ``jax.value_and_grad(loss_fn)`` compiled for the same target
+  with the gradients as its outputs (what the backward pass keeps from the
+  forward pass, and every other temporary of the two passes);
+* the update: what is left, signed. Positive where the optimizer's update
+  holds temporaries of its own beside a whole set of gradients; negative
+  where XLA frees memory by updating some parameters before the backward
+  pass has made every gradient (an optimizer that updates each tensor from
+  its own gradient lets it), so that the peak never holds activations and a
+  whole set of gradients at once.
 
 The step fits when the peak is at most the device's memory less a margin,
 :data:`MARGIN` of it by default, for what the compile cannot see: the CUDA
@@ -61,13 +68,23 @@ class TrainStepProgram(gpu_compile.ProgramMemory):
   gradient_bytes: int
   state_bytes: int
   batch_bytes: int
+  # The temporaries of the forward and backward pass compiled alone.
+  activations_bytes: int
   memory: int  # The device's memory.
   margin: float  # The share of ``memory`` kept free.
 
   @property
-  def activations_bytes(self) -> int:
-    """The peak beyond parameters, gradients, state and batch: activations and the rest."""
-    return self.peak_bytes - self.param_bytes - self.gradient_bytes - self.state_bytes - self.batch_bytes
+  def update_bytes(self) -> int:
+    """The peak beyond parameters, gradients, state, batch and activations; negative where XLA overlaps
+    the update with the backward pass."""
+    return (
+      self.peak_bytes
+      - self.param_bytes
+      - self.gradient_bytes
+      - self.state_bytes
+      - self.batch_bytes
+      - self.activations_bytes
+    )
 
   @property
   def budget_bytes(self) -> int:
@@ -94,6 +111,32 @@ def training_step(loss_fn: Callable[[Any, Any], jax.Array], tx: optax.GradientTr
   return step
 
 
+def _single_device(target: str) -> Callable[[Any], Any]:
+  (device,) = gpu_compile.target_devices(target)
+  single = SingleDeviceSharding(device)
+  return lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single), tree)
+
+
+def activations_bytes(
+  loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any, *, target: str = "h100"
+) -> int:
+  """The temporaries of ``jax.value_and_grad(loss_fn)`` compiled alone for one GPU of ``target``.
+
+  What the forward and backward pass hold beside their arguments (parameters
+  and batch) and outputs (the loss and one set of gradients): the
+  activations the backward pass reads, and every other temporary of the two
+  passes at their peak. It does not depend on the optimizer.
+
+  Args:
+    loss_fn, params, batch, target: as for :func:`compile_train_step`.
+  """
+  place = _single_device(target)
+  gradients = jax.jit(jax.value_and_grad(loss_fn))
+  return (
+    gradients.lower(place(_abstract(params)), place(_abstract(batch))).compile().memory_analysis().temp_size_in_bytes
+  )
+
+
 def compile_train_step(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -103,6 +146,7 @@ def compile_train_step(
   target: str = "h100",
   memory: int | None = None,
   margin: float = MARGIN,
+  activations: int | None = None,
 ) -> TrainStepProgram:
   """Compiles ``tx``'s whole training step on ``loss_fn`` for one GPU of ``target``.
 
@@ -116,6 +160,9 @@ def compile_train_step(
     target: the GPU, one of :data:`memopt_tools.gpu_compile.TARGETS`.
     memory: the device's bytes (default: the target's).
     margin: the share of ``memory`` kept free (default :data:`MARGIN`).
+    activations: :func:`activations_bytes` of the same ``loss_fn``,
+      ``params``, ``batch`` and ``target``, where already compiled (default:
+      compiled here).
 
   Returns:
     A :class:`TrainStepProgram`.
@@ -126,9 +173,7 @@ def compile_train_step(
   """
   if not 0 <= margin < 1:
     raise ValueError(f"margin must be in [0, 1); got {margin!r}.")
-  (device,) = gpu_compile.target_devices(target)
-  single = SingleDeviceSharding(device)
-  place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=single), tree)
+  place = _single_device(target)
   params, batch = _abstract(params), _abstract(batch)
   state = jax.eval_shape(tx.init, params)
 
@@ -142,6 +187,7 @@ def compile_train_step(
     gradient_bytes=param_bytes,
     state_bytes=state_nbytes(state),
     batch_bytes=state_nbytes(batch),
+    activations_bytes=activations_bytes(loss_fn, params, batch, target=target) if activations is None else activations,
     memory=gpu_compile.device_memory_bytes(target) if memory is None else memory,
     margin=margin,
     **gpu_compile.ProgramMemory.fields_of(compiled),
@@ -166,6 +212,7 @@ class TrainStepReport:
 
   def __str__(self) -> str:
     gb = gpu_compile.decimal_bytes
+    signed = lambda nbytes: ("+" if nbytes >= 0 else "") + gb(nbytes)
     built = [p for p in self.programs.values() if not isinstance(p, str)]
     head = f"{self.title}: the training step compiled by XLA for one {self.target.upper()}"
     if built:
@@ -176,15 +223,17 @@ class TrainStepReport:
     lines = [
       head,
       "",
-      "| optimizer | parameters | gradients | optimizer state | batch | activations and the rest | XLA's peak | fits |",
-      "|---|---|---|---|---|---|---|---|",
+      "| optimizer | parameters | gradients | optimizer state | batch | activations and the rest | the update"
+      " | XLA's peak | fits |",
+      "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in self.programs.items():
       if isinstance(p, str):
-        lines.append(f"| {name} | not compiled: {p} | | | | | | |")
+        lines.append(f"| {name} | not compiled: {p} | | | | | | | |")
         continue
-      cells = (p.param_bytes, p.gradient_bytes, p.state_bytes, p.batch_bytes, p.activations_bytes, p.peak_bytes)
-      lines.append(f"| {name} | " + " | ".join(map(gb, cells)) + f" | {'yes' if p.fits else 'no'} |")
+      cells = [gb(b) for b in (p.param_bytes, p.gradient_bytes, p.state_bytes, p.batch_bytes, p.activations_bytes)]
+      cells += [signed(p.update_bytes), gb(p.peak_bytes), "yes" if p.fits else "no"]
+      lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -238,6 +287,7 @@ def train_step_report(
     optimizers.get(name)
   gpu_compile.target_devices(target)
   programs: dict[str, TrainStepProgram | str] = {}
+  activations = None
   for name in names:
     try:
       tx = registered_optimizer(name, n_heads=n_heads, n_kv_heads=n_kv_heads, stochastic_rounding=stochastic_rounding)
@@ -245,7 +295,11 @@ def train_step_report(
     except ValueError as error:
       programs[name] = str(error)
       continue
-    programs[name] = compile_train_step(loss_fn, params, batch, tx, target=target, memory=memory, margin=margin)
+    if activations is None:
+      activations = activations_bytes(loss_fn, params, batch, target=target)
+    programs[name] = compile_train_step(
+      loss_fn, params, batch, tx, target=target, memory=memory, margin=margin, activations=activations
+    )
   return TrainStepReport(programs, target, title)
 
 

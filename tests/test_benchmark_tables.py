@@ -153,7 +153,8 @@ def test_the_training_step_table_is_rendered_from_the_results():
 def test_the_training_step_rows_hold_the_parts_they_should():
   """Each compiled step: parameters and gradients at the dtype's bytes per parameter, the state its optimizer builds,
   a peak of at least parameters and state (donated arguments, live throughout the step), and at batch 1 less than
-  parameters, gradients and state together (XLA updates some parameters before every gradient is made)."""
+  parameters, gradients and state together (XLA updates some parameters before every gradient is made); the
+  activations those of the forward and backward pass alone, one figure for every optimizer, growing with the batch."""
   import jax
   import jax.numpy as jnp
 
@@ -177,6 +178,13 @@ def test_the_training_step_rows_hold_the_parts_they_should():
     if row["batch"] == 1:  # docs/memory-planning.md: at batch 1 the peak holds less than one set of gradients.
       assert row["peak"] < row["params"] + row["gradients"] + row["state"], key
     assert row["fits"] == (row["peak"] <= int(row["memory"] * (1 - row["margin"])))
+  activations = {}
+  for row in results["rows"]:
+    key = tuple(row[k] for k in ("model", "target", "param_dtype", "remat", "seq_len", "batch"))
+    assert activations.setdefault(key, row["activations"]) == row["activations"], key
+  for (*step, batch), kept in activations.items():
+    smaller = [activations[(*step, b)] for (*s, b) in activations if s == step and b < batch]
+    assert all(0 < k < kept for k in smaller), step
 
 
 def test_the_sharded_compile_tables_are_rendered_from_the_results():
