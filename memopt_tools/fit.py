@@ -354,9 +354,7 @@ def report(
     >>> result.fits("adamw"), result.fits("microadam")
     (False, True)
   """
-  names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
-  for name in names:
-    optimizers.get(name)
+  names = optimizers.checked_names(optimizer_names)
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices must be an integer >= 1; got {devices!r}.")
   if param_dtype is not None:

@@ -641,9 +641,7 @@ def peak_report(
   """
   from memopt_tools.training import optimizers
 
-  names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
-  for name in names:
-    optimizers.get(name)
+  names = optimizers.checked_names(optimizer_names)
   target_devices(target, devices)
   config = types.SimpleNamespace(n_heads=n_heads, n_kv_heads=n_kv_heads)
   rows = []

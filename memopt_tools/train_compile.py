@@ -282,9 +282,7 @@ def train_step_report(
   """
   from memopt_tools.training import optimizers
 
-  names = list(optimizers.OPTIMIZERS) if optimizer_names is None else list(optimizer_names)
-  for name in names:
-    optimizers.get(name)
+  names = optimizers.checked_names(optimizer_names)
   gpu_compile.target_devices(target)
   programs: dict[str, TrainStepProgram | str] = {}
   activations = None

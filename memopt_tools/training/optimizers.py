@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optax
 
@@ -188,6 +188,14 @@ VARIANTS: dict[str, OptimizerSpec] = {
     "optax.contrib.galore (optax's) at rank 8, an SVD every 50 steps",
   ),
 }
+
+
+def checked_names(names: Sequence[str] | None = None) -> list[str]:
+  """``names``, each an entry of OPTIMIZERS or VARIANTS (else ``get``'s ValueError); by default OPTIMIZERS' entries."""
+  names = list(OPTIMIZERS) if names is None else list(names)
+  for name in names:
+    get(name)
+  return names
 
 
 def get(name: str) -> OptimizerSpec:
