@@ -64,10 +64,8 @@ MODELS: dict[str, model.TransformerConfig] = {
     max_len=8192,
     rope_base=500_000.0,
   ),
-  # The main job's model sizes (``python -m optax_memopt --model-size``).
-  "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
-  "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-  "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
+  # The main job's model sizes (``python -m memopt_tools --model-size``).
+  **model.MODEL_SIZES,
 }
 
 # The row whose state is built from float32 copies of the parameters.

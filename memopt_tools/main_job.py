@@ -25,11 +25,7 @@ import optax
 from memopt_tools.training import loop, model, optimizers, report
 from optax_memopt.hyperparameters import check_int
 
-MODEL_SIZES = {
-  "tiny": model.TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
-  "small": model.TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-  "base": model.TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
-}
+MODEL_SIZES = model.MODEL_SIZES
 DEFAULT_OPTIMIZER = "microadam"
 # What a run with neither --optimizer nor --compare trains: the baseline and one compressed optimizer.
 DEFAULT_RUN = (report.BASELINE, DEFAULT_OPTIMIZER)

@@ -56,6 +56,14 @@ class TransformerConfig:
     return self.dim // self.n_heads
 
 
+# The sizes the main job trains (``python -m memopt_tools --model-size``) and the planner lists.
+MODEL_SIZES = {
+  "tiny": TransformerConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
+  "small": TransformerConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+  "base": TransformerConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=384),
+}
+
+
 def rotate(x: jax.Array, base: float) -> jax.Array:
   """Rotary position embedding of ``x`` shaped ``[batch, seq, heads, head_dim]``."""
   seq, head_dim = x.shape[1], x.shape[-1]
