@@ -5,11 +5,13 @@ rings of sparse entries, per-block statistics), so ``jax.jit`` cannot guess
 their shardings from the parameters'. :func:`state_shardings` gives each
 state leaf a sharding that follows its parameter's, for the ``out_shardings``
 of ``jax.jit(optimizer.init)`` and of a train step, or a checkpoint restore's
-target. Each of our states declares how its fields lie relative to their
-parameters (:class:`Layout`, a state class's ``field_layouts``); states that
-declare nothing (optax's own, a wrapper's buffers) are laid out by their
-shapes. :func:`typed_like_inputs` lets an update run under a mesh whose axes
-are ``AxisType.Explicit``.
+target. Every state field's layout relative to its parameter is declared
+(:class:`Layout`): by our state classes' ``field_layouts``, by
+:data:`FIELD_LAYOUTS` for optax's states, by :func:`declare_layouts` for
+anyone else's; a state that declares nothing follows optax's convention,
+every per-parameter leaf shaped like its parameter (``Layout.PARAM``).
+:func:`typed_like_inputs` lets an update run under a mesh whose axes are
+``AxisType.Explicit``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from optax_memopt import leaves
@@ -28,10 +31,13 @@ from optax_memopt import leaves
 class Layout(enum.Enum):
   """How the arrays of a state field lie relative to their parameter of shape ``(..., rows, columns)``.
 
-  A state class declares one per field in a class attribute
-  ``field_layouts: dict[str, Layout | None]``; every array under the field (a
-  tree like the parameters, or a few such trees) has that layout. ``None``
-  marks a field holding states that declare their own.
+  Every array under a field (a tree like the parameters, or a few such
+  trees) has the field's layout. Whatever the layout (but ``REPLICATED``),
+  an array shaped like its parameter takes the parameter's sharding (a small
+  parameter's dense copy), and any other array of a replicated parameter is
+  replicated. An array with none of its layout's shapes is cut as ``FLAT``
+  (blocks that cross rows, a stacked parameter's per-layer values); under
+  ``PARAM``, which has no other shape, :func:`state_shardings` raises.
   """
 
   #: Shaped like the parameter, sharded as it is.
@@ -55,6 +61,11 @@ class Layout(enum.Enum):
   #: mesh axes of its rows, which every device's rows read: an all-reduce of
   #: the columns' partial sums, not a scatter followed by a gather.
   COLUMN_STATISTICS = "column_statistics"
+  #: A matrix's low-rank projection (GaLore's projectors and its moments of
+  #: projected gradients): ``(rows, rank)`` or ``(rank, columns)``, the
+  #: parameter's axis sharded as the parameter's and the rank axis whole; a
+  #: projector of the columns, ``(columns, rank)``, is cut as ``FLAT``.
+  LOW_RANK = "low_rank"
   #: Buffers with no axis of the parameter's (packed codes of the flattened
   #: parameter, rings of sparse entries), and statistics that reduce a
   #: sharded axis: cut over the whole mesh as far as their shape allows.
@@ -63,31 +74,102 @@ class Layout(enum.Enum):
   REPLICATED = "replicated"
 
 
-def declared_layouts(state: Any) -> list[Layout | None]:
-  """Per leaf of ``state`` (in ``jax.tree.leaves`` order): its declared layout, or None.
+#: The layouts of optax's states that our registered optimizers and wrappers
+#: hold, by state class. ``None`` marks a field holding states that declare
+#: their own. :func:`declare_layouts` adds to it.
+FIELD_LAYOUTS: dict[type, dict[str, Layout | None]] = {
+  optax.ScaleByAdamState: dict(count=Layout.REPLICATED, mu=Layout.PARAM, nu=Layout.PARAM),
+  # Adafactor: a factored matrix's row and column statistics and (1,) v; else
+  # v shaped like the parameter and (1,) statistics.
+  optax.FactoredState: dict(count=Layout.REPLICATED, v_row=Layout.FLAT, v_col=Layout.FLAT, v=Layout.FLAT),
+  optax.MultiStepsState: dict(
+    mini_step=Layout.REPLICATED,
+    gradient_step=Layout.REPLICATED,
+    inner_opt_state=None,
+    acc_grads=Layout.PARAM,
+    skip_state=None,
+  ),
+  optax.InjectHyperparamsState: dict(count=Layout.REPLICATED, hyperparams=Layout.REPLICATED, inner_state=None),
+  optax.InjectStatefulHyperparamsState: dict(
+    count=Layout.REPLICATED, hyperparams=Layout.REPLICATED, hyperparams_states=Layout.REPLICATED, inner_state=None
+  ),
+}
+if hasattr(optax.contrib, "GaLoreState"):  # where this optax has GaLore
+  # Its base optimizer's state (Adam's, by default) holds the moments of the
+  # projected gradients: the field's layout covers the states inside it.
+  FIELD_LAYOUTS[optax.contrib.GaLoreState] = dict(
+    count=Layout.REPLICATED, base_optimizer_state=Layout.LOW_RANK, projector=Layout.LOW_RANK
+  )
 
-  A field's declaration covers every array under it, except where a state
-  nested in the field declares its own.
+
+def _checked(state_type: type, field_layouts: Any) -> dict[str, Layout | None]:
+  fields = getattr(state_type, "_fields", ())
+  if set(field_layouts) != set(fields) or not all(isinstance(v, Layout | None) for v in field_layouts.values()):
+    raise ValueError(
+      f"{state_type.__name__}.field_layouts must give a Layout (or None) for each of its fields"
+      f" {fields}; got {field_layouts!r}."
+    )
+  return field_layouts
+
+
+def declare_layouts(state_type: type, field_layouts: dict[str, Layout | None]) -> None:
+  """Declares the :class:`Layout` of each field of a state ``NamedTuple`` class one cannot edit.
+
+  A class of one's own declares them in a class attribute
+  ``field_layouts: dict[str, Layout | None]`` instead. ``None`` marks a field
+  holding states that declare their own.
 
   Raises:
-    ValueError: a state class's ``field_layouts`` does not name each of its fields once.
+    ValueError: ``field_layouts`` does not give a layout for each field of ``state_type`` once.
+
+  Examples:
+    >>> from typing import NamedTuple
+    >>> class LowRankState(NamedTuple):  # another library's
+    ...   count: jax.Array
+    ...   factor: dict
+    >>> declare_layouts(LowRankState, {"count": Layout.REPLICATED, "factor": Layout.LOW_RANK})
+  """
+  FIELD_LAYOUTS[state_type] = _checked(state_type, dict(field_layouts))
+
+
+def _field_layouts(node: Any) -> dict[str, Layout | None] | None:
+  """A state's declared field layouts: its class's ``field_layouts``, else :data:`FIELD_LAYOUTS`'."""
+  declared = getattr(type(node), "field_layouts", None) or FIELD_LAYOUTS.get(type(node))
+  return None if declared is None else _checked(type(node), declared)
+
+
+def _leaf_layouts(state: Any) -> list[tuple[Layout | None, str]]:
+  """Per leaf of ``state`` (in ``jax.tree.leaves`` order): its declared layout, or None, and its field.
+
+  The field is ``Type.name`` of the innermost ``NamedTuple`` state holding
+  the leaf (``""`` where there is none). A field's layout covers every array
+  under it, states inside it included; a field declared ``None`` leaves them
+  to declare their own.
   """
 
-  def walk(node: Any, layout: Layout | None) -> list[Layout | None]:
-    declared = getattr(type(node), "field_layouts", None)
-    if declared is not None and isinstance(node, tuple) and hasattr(node, "_fields"):
-      if set(declared) != set(node._fields) or not all(isinstance(v, Layout | None) for v in declared.values()):
-        raise ValueError(
-          f"{type(node).__name__}.field_layouts must give a Layout (or None) for each of its fields"
-          f" {node._fields}; got {declared!r}."
-        )
-      return [leaf for field in node._fields for leaf in walk(getattr(node, field), declared[field] or layout)]
+  def walk(node: Any, layout: Layout | None, field: str) -> Iterator[tuple[Layout | None, str]]:
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+      declared = _field_layouts(node) or {}
+      for name in node._fields:
+        yield from walk(getattr(node, name), layout or declared.get(name), f"{type(node).__name__}.{name}")
+      return
     children = jax.tree_util.tree_flatten(node, is_leaf=lambda child: child is not node)[0]
     if len(children) == 1 and children[0] is node:
-      return [layout]
-    return [leaf for child in children for leaf in walk(child, layout)]
+      yield layout, field
+    else:
+      for child in children:
+        yield from walk(child, layout, field)
 
-  return walk(state, None)
+  return list(walk(state, None, ""))
+
+
+def declared_layouts(state: Any) -> list[Layout | None]:
+  """Per leaf of ``state`` (in ``jax.tree.leaves`` order): its declared layout, or None (taken as ``Layout.PARAM``).
+
+  Raises:
+    ValueError: a state class's declaration does not name each of its fields once.
+  """
+  return [layout for layout, _ in _leaf_layouts(state)]
 
 
 def split_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
@@ -160,17 +242,6 @@ def owners(state: Any, params: Any) -> Any:
   return jax.tree.unflatten(jax.tree.structure(state), indices)
 
 
-def _cuts_last_axis_into_blocks(leaf_shape: tuple, shape: tuple) -> bool:
-  """Whether a leaf is ``(*shape[:-1], blocks, per_block)``: the parameter's last axis cut up.
-
-  Block-major packed codes and their ``(..., blocks, 1)`` scales (ternary
-  Adam's moment), TACO's ``(..., rows, parts, slots)`` heavy hitters.
-  Matrices and higher only: a vector's flat buffers (MicroAdam's
-  ``(window, n)`` rings) have the same rank pattern.
-  """
-  return len(shape) >= 2 and len(leaf_shape) == len(shape) + 1 and leaf_shape[: len(shape) - 1] == shape[:-1]
-
-
 def _flat_blocks(leaf_shape: tuple, shape: tuple, first_axis_spec: Any, mesh: Mesh) -> bool:
   """Whether a leaf is ``(blocks, 1)``, a value per block of the flattened parameter, splittable as its first axis.
 
@@ -198,21 +269,26 @@ def _shard_count(names: Sequence[str], mesh: Mesh) -> int:
 
 def _block_major_spec(
   leaf_shape: Sequence[int], shape: Sequence[int], spec: tuple, mesh: Mesh, *, codes_in_param_layout: bool
-) -> PartitionSpec:
-  """The parameter's spec with its last axis's mesh axes moved to where they divide.
+) -> PartitionSpec | None:
+  """The spec of ``(*shape[:-1], blocks, per_block)``, the parameter's last axis cut into blocks; else None.
 
-  Onto the blocks when they divide their number: each device then holds the
-  blocks of its own columns. Otherwise, when the codes are block-major too
-  (not ``codes_in_param_layout``) and several blocks cut the last axis
-  evenly (ternary Adam's 3 blocks of a 384-wide row over 2 devices), or the
-  leaf holds one value per block (``per_block == 1``: ternary Adam's scales,
-  which the partitioner scatters like any reduction over a sharded axis),
-  onto the rows beside the mesh axes the rows already have, the layout the
-  partitioner gives an update's output there; else nowhere (replicated over
-  them: the partitioner keeps the codes of one block per row whole, TACO's 3
-  parts of a 256-wide row, and the block scales of codes in the parameter's
-  own layout, which every device holding part of a row reads).
+  The parameter's spec with its last axis's mesh axes moved to where they
+  divide. Onto the blocks when they divide their number: each device then
+  holds the blocks of its own columns. Otherwise, when the codes are
+  block-major too (not ``codes_in_param_layout``) and several blocks cut the
+  last axis evenly (ternary Adam's 3 blocks of a 384-wide row over 2
+  devices), or the leaf holds one value per block (``per_block == 1``:
+  ternary Adam's scales, which the partitioner scatters like any reduction
+  over a sharded axis), onto the rows beside the mesh axes the rows already
+  have, the layout the partitioner gives an update's output there; else
+  nowhere (replicated over them: the partitioner keeps the codes of one
+  block per row whole, TACO's 3 parts of a 256-wide row, and the block
+  scales of codes in the parameter's own layout, which every device holding
+  part of a row reads). Matrices and higher only: a vector's flat buffers
+  have the same rank.
   """
+  if len(shape) < 2 or len(leaf_shape) != len(shape) + 1 or tuple(leaf_shape[: len(shape) - 1]) != tuple(shape[:-1]):
+    return None
   last = _mesh_axes(spec[-1])
   blocks = leaf_shape[-2]
   if blocks % _shard_count(last, mesh) == 0:
@@ -244,35 +320,20 @@ def _kept_axis_spec(blocks: int, size: int, entry: Any, mesh: Mesh) -> Any:
 def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """Shardings for an optimizer state that follow the parameters' shardings.
 
-  Each state leaf is placed after its parameter (see :func:`owners`). A
-  leaf of a state that declares its fields' layouts (:class:`Layout`; all of
-  ours do) is placed as its field declares; a leaf shaped like its parameter
-  takes the parameter's sharding whatever its field, and every leaf of a
-  replicated parameter is replicated. The ``BLOCKS`` of a sharded parameter
-  carry the mesh axes of its last axis on ``blocks`` where they divide it;
-  otherwise block-major codes whose blocks cut the last axis evenly put those
-  mesh axes on the rows (ternary Adam's 3 blocks of a 384-wide row over 2
-  devices), and everything else is replicated over them (``BLOCK_SCALES``: a
-  device needs the scale of every block its columns touch).
+  Each state leaf is placed after its parameter (see :func:`owners`), as its
+  field's :class:`Layout` says. Layouts are declared: by a state class's
+  ``field_layouts`` (all of ours), by :data:`FIELD_LAYOUTS` (optax's
+  states), or by :func:`declare_layouts`. A state that declares nothing
+  follows optax's convention: each of its leaves that belongs to a parameter
+  is shaped like it (``Layout.PARAM``). Leaves of no parameter (step counts,
+  PRNG keys) are replicated.
 
-  Leaves of states that declare nothing (optax's own; a wrapper's buffers,
-  such as ``optax.MultiSteps``' accumulated gradients, are a state of their
-  own) are placed by their shapes, after the other fields of their state:
-
-  * shaped like the parameter (Adam's ``mu`` and ``nu``): the parameter's
-    sharding, so elementwise updates need no communication;
-  * the parameter's shape with its last axis cut into blocks,
-    ``(*shape[:-1], blocks, per_block)``: as ``BLOCKS`` (as ``BLOCK_SCALES``
-    in a state with a field shaped like the parameter);
-  * ``(*shape[:-1], 1)`` in a state that also has such block-major leaves:
-    as ``ROWS``;
-  * some axes the same size as the parameter's at the same position: those
-    axes sharded as the parameter's, the rest replicated (``KEEPDIMS``);
-  * ``(blocks, 1)`` in a state with a field shaped like the parameter: as
-    ``BLOCK_SCALES``;
-  * anything else: as ``FLAT``, cut by :func:`split_spec` over the whole mesh.
-
-  Leaves of no parameter (step counts, PRNG keys) are replicated.
+  The ``BLOCKS`` of a sharded parameter carry the mesh axes of its last axis
+  on ``blocks`` where they divide it; otherwise block-major codes whose
+  blocks cut the last axis evenly put those mesh axes on the rows (ternary
+  Adam's 3 blocks of a 384-wide row over 2 devices), and everything else is
+  replicated over them (``BLOCK_SCALES``: a device needs the scale of every
+  block its columns touch).
 
   Args:
     state: the state or its ``jax.eval_shape``.
@@ -284,6 +345,11 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     A tree like ``state`` of ``NamedSharding``, for ``out_shardings`` of
     ``jax.jit(optimizer.init)`` and of the train step, or the ``target`` of a
     checkpoint restore.
+
+  Raises:
+    ValueError: a leaf of a ``Layout.PARAM`` field (declared, or of a state
+      that declares nothing) is not shaped like its parameter; or a state
+      class's declaration does not name each of its fields once.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -297,8 +363,8 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   """
   param_leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
   replicated = NamedSharding(mesh, PartitionSpec())
-  state_leaves, treedef = jax.tree.flatten(state)
-  layouts = declared_layouts(state)
+  state_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  layouts = _leaf_layouts(state)
   # A leaf's owner: its parameter's index and the state it is a field of
   # (the fields of one state are laid out together).
   state_owners = _owners_in_containers(state, params)
@@ -306,37 +372,26 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
   def param_spec(param, sharding):
     return tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
 
-  # States with a field in their parameter's own shape (low-bit AdamW's codes),
-  # whose per-block scales the partitioner lays out after the parameter's rows.
-  codes_in_param_layout = {
-    owner
-    for leaf, owner in zip(state_leaves, state_owners)
-    if owner[0] >= 0 and tuple(leaf.shape) == tuple(param_leaves[owner[0]][0].shape)
-  }
-
-  def block_major_spec(leaf, owner, *, in_param_layout):
-    """The leaf's spec if it cuts its sharded parameter's last axis into blocks, else None."""
+  def block_major_spec(leaf, owner, layout):
     param, sharding = param_leaves[owner[0]]
-    if sharding.is_fully_replicated or not _cuts_last_axis_into_blocks(tuple(leaf.shape), tuple(param.shape)):
+    if sharding.is_fully_replicated:
       return None
     return _block_major_spec(
-      leaf.shape, param.shape, param_spec(param, sharding), mesh, codes_in_param_layout=in_param_layout
+      leaf.shape,
+      param.shape,
+      param_spec(param, sharding),
+      mesh,
+      codes_in_param_layout=layout is Layout.BLOCK_SCALES,
     )
-
-  def guessed_block_major_spec(leaf, owner):
-    return block_major_spec(leaf, owner, in_param_layout=owner in codes_in_param_layout)
 
   # The rows' spec of each state's block-major leaves, which its per-row
   # values (TACO's scales) share: the partitioner derives those from them.
   block_rows = {}
-  for leaf, owner, layout in zip(state_leaves, state_owners, layouts):
-    if owner[0] < 0 or layout not in (None, Layout.BLOCKS):
-      continue
-    spec = block_major_spec(leaf, owner, in_param_layout=False) if layout else guessed_block_major_spec(leaf, owner)
-    if spec is not None:
+  for (_, leaf), owner, (layout, _) in zip(state_leaves, state_owners, layouts):
+    if owner[0] >= 0 and layout is Layout.BLOCKS and (spec := block_major_spec(leaf, owner, layout)) is not None:
       block_rows[owner] = spec[-3]
 
-  def place_declared(leaf, owner, layout):
+  def place(path, leaf, owner, layout, field):
     index = owner[0]
     if index < 0 or layout is Layout.REPLICATED:
       return replicated
@@ -345,52 +400,36 @@ def state_shardings(state: Any, params: Any, shardings: Any, mesh: Mesh) -> Any:
     # Small parameters keep a dense copy in any field (low-bit AdamW's float32 moments).
     if leaf_shape == shape:
       return sharding
+    if layout in (Layout.PARAM, None):
+      declared = "is declared Layout.PARAM" if layout else "declares no layout, so is taken as Layout.PARAM"
+      raise ValueError(
+        f"State leaf {jax.tree_util.keystr(path)} has shape {leaf_shape}, its parameter {shape}, but its field"
+        f" {field or '(of no NamedTuple state)'} {declared}. Declare its state's layouts (optax_memopt.sharding.Layout)"
+        " in a class attribute field_layouts, or by optax_memopt.sharding.declare_layouts(StateClass, {field: Layout})."
+      )
     if sharding.is_fully_replicated:
       return replicated
     spec = param_spec(param, sharding)
-    if layout is Layout.PARAM:
-      raise ValueError(f"a state leaf declared Layout.PARAM has shape {leaf_shape}, its parameter {shape}.")
-    if layout in (Layout.BLOCKS, Layout.BLOCK_SCALES) and len(leaf_shape) == len(shape) + 1:
-      block_spec = block_major_spec(leaf, owner, in_param_layout=layout is Layout.BLOCK_SCALES)
-      if block_spec is not None:
-        return NamedSharding(mesh, block_spec)
-    elif layout is Layout.BLOCK_SCALES and _flat_blocks(leaf_shape, shape, spec[0], mesh):
-      return NamedSharding(mesh, PartitionSpec(spec[0], None))
-    elif layout is Layout.ROWS and leaf_shape == (*shape[:-1], 1):
-      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows.get(owner, spec[-2]), None))
-    elif layout is Layout.KEEPDIMS and len(leaf_shape) == len(shape):
-      kept = [_kept_axis_spec(blocks, size, entry, mesh) for blocks, size, entry in zip(leaf_shape, shape, spec)]
-      return NamedSharding(mesh, PartitionSpec(*kept))
-    elif layout is Layout.COLUMN_STATISTICS and leaf_shape == (*shape[:-2], shape[-1]):
-      return NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1]))
-    return NamedSharding(mesh, split_spec(leaf_shape, mesh))
-
-  def place(leaf, owner):
-    index = owner[0]
-    if index < 0:
-      return replicated
-    param, sharding = param_leaves[index]
-    shape = tuple(param.shape)
-    if tuple(leaf.shape) == shape:
-      return sharding
-    if sharding.is_fully_replicated:
-      return replicated
-    spec = param_spec(param, sharding)
-    block_spec = guessed_block_major_spec(leaf, owner)
+    block_spec = block_major_spec(leaf, owner, layout) if layout in (Layout.BLOCKS, Layout.BLOCK_SCALES) else None
     if block_spec is not None:
       return NamedSharding(mesh, block_spec)
-    if owner in block_rows and tuple(leaf.shape) == (*shape[:-1], 1):
-      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows[owner], None))
-    if len(leaf.shape) == len(shape) and any(a == b for a, b in zip(leaf.shape, shape)):
-      return NamedSharding(mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf.shape, shape, spec))))
-    if owner in codes_in_param_layout and _flat_blocks(tuple(leaf.shape), shape, spec[0], mesh):
+    if layout is Layout.BLOCK_SCALES and _flat_blocks(leaf_shape, shape, spec[0], mesh):
       return NamedSharding(mesh, PartitionSpec(spec[0], None))
-    return NamedSharding(mesh, split_spec(leaf.shape, mesh))
+    if layout is Layout.ROWS and leaf_shape == (*shape[:-1], 1):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], block_rows.get(owner, spec[-2]), None))
+    if layout is Layout.KEEPDIMS and len(leaf_shape) == len(shape):
+      kept = [_kept_axis_spec(blocks, size, entry, mesh) for blocks, size, entry in zip(leaf_shape, shape, spec)]
+      return NamedSharding(mesh, PartitionSpec(*kept))
+    if layout is Layout.COLUMN_STATISTICS and leaf_shape == (*shape[:-2], shape[-1]):
+      return NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1]))
+    if layout is Layout.LOW_RANK and len(leaf_shape) == len(shape) and any(a == b for a, b in zip(leaf_shape, shape)):
+      return NamedSharding(mesh, PartitionSpec(*(s if a == b else None for a, b, s in zip(leaf_shape, shape, spec))))
+    return NamedSharding(mesh, split_spec(leaf_shape, mesh))
 
   return treedef.unflatten(
     [
-      place(leaf, owner) if layout is None else place_declared(leaf, owner, layout)
-      for leaf, owner, layout in zip(state_leaves, state_owners, layouts)
+      place(path, leaf, owner, layout, field)
+      for (path, leaf), owner, (layout, field) in zip(state_leaves, state_owners, layouts)
     ]
   )
 

@@ -1,8 +1,10 @@
-"""State layouts for sharding: each of our states declares how its fields lie
-relative to their parameters, and ``state_shardings`` follows the
-declarations over the shape rules it keeps for states that declare nothing.
-The 8-device runs of tests/test_sharding.py check that the partitioner keeps
-the resulting layouts through an update."""
+"""State layouts for sharding: every state's fields declare how they lie
+relative to their parameters (ours in their classes, optax's in
+``sharding.FIELD_LAYOUTS``, anyone's by ``sharding.declare_layouts``), and
+``state_shardings`` follows the declarations; a state that declares nothing
+is taken to hold leaves shaped like their parameters, and one that does not
+is an error, not a guess. The 8-device runs of tests/test_sharding.py check
+that the partitioner keeps the resulting layouts through an update."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,10 +27,15 @@ PARAMS = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
 PARAM_SHARDINGS = {"w": NamedSharding(MESH, P("fsdp", "tp"))}
 
 
-@pytest.mark.parametrize("name", ["microadam", "adam_mini", "ternary_adam", "adamw_8bit", "adamw_4bit", "adamw_fp8"])
-def test_every_leaf_of_our_states_has_a_declared_layout(name):
-  config = shapes.MODELS["demo"]
-  state = jax.eval_shape(optimizers.get(name).build(1e-3, config).init, shapes.params("demo", abstract=True))
+def _wrapped(name):
+  """The registry's optimizer in optax's wrappers, whose states declare their layouts too."""
+  build = lambda learning_rate: optimizers.get(name).build(learning_rate, shapes.MODELS["demo"])
+  return optax.MultiSteps(optax.inject_hyperparams(build)(learning_rate=1e-3), every_k_schedule=2)
+
+
+@pytest.mark.parametrize("name", sorted(optimizers.OPTIMIZERS))
+def test_every_leaf_of_the_registrys_states_has_a_declared_layout(name):
+  state = jax.eval_shape(_wrapped(name).init, shapes.params("demo", abstract=True))
   layouts = sharding.declared_layouts(state)
   assert len(layouts) == len(jax.tree.leaves(state))
   assert None not in layouts
@@ -38,14 +46,66 @@ class _FlatCodes(NamedTuple):
   field_layouts = {"codes": sharding.Layout.FLAT}
 
 
-def test_a_declared_layout_decides_over_the_shape_rules():
-  # (8, 2, 8) reads as the (8, 16) parameter's last axis cut into 2 blocks of 8.
+class _LibraryCodes(NamedTuple):
+  """A state class of another library's, which declares nothing."""
+
+  codes: dict
+
+
+def test_a_leaf_not_shaped_like_its_parameter_needs_a_declared_layout():
+  # (8, 2, 8) could be read as the (8, 16) parameter's last axis cut into 2
+  # blocks of 8: nothing is guessed from shapes.
   codes = {"w": jax.ShapeDtypeStruct((8, 2, 8), jnp.uint8)}
-  guessed = sharding.state_shardings((codes,), PARAMS, PARAM_SHARDINGS, MESH)[0]["w"]
-  declared = sharding.state_shardings((_FlatCodes(codes),), PARAMS, PARAM_SHARDINGS, MESH)[0].codes["w"]
-  assert guessed.spec == P("fsdp", "tp", None)
+  for state in ((codes,), _LibraryCodes(codes)):
+    with pytest.raises(ValueError, match=r"\(8, 2, 8\), its parameter \(8, 16\).*declare_layouts"):
+      sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH)
+  with pytest.raises(ValueError, match=r"\['w'\].*_LibraryCodes.codes declares no layout"):
+    sharding.state_shardings(_LibraryCodes(codes), PARAMS, PARAM_SHARDINGS, MESH)
   # Flat: mesh axes, largest first, to the axis with the most elements left per shard.
+  declared = sharding.state_shardings((_FlatCodes(codes),), PARAMS, PARAM_SHARDINGS, MESH)[0].codes["w"]
   assert declared.spec == P("fsdp", None, "tp")
+
+
+def test_a_state_that_declares_nothing_is_laid_out_like_its_parameters():
+  state = _LibraryCodes({"w": jax.ShapeDtypeStruct((8, 16), jnp.float32)})
+  assert sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH).codes["w"] == PARAM_SHARDINGS["w"]
+
+
+def test_declare_layouts_of_a_class_one_cannot_edit(monkeypatch):
+  monkeypatch.setattr(sharding, "FIELD_LAYOUTS", dict(sharding.FIELD_LAYOUTS))
+  with pytest.raises(ValueError, match="_LibraryCodes.field_layouts"):
+    sharding.declare_layouts(_LibraryCodes, {"codes": sharding.Layout.FLAT, "scales": sharding.Layout.FLAT})
+  sharding.declare_layouts(_LibraryCodes, {"codes": sharding.Layout.FLAT})
+  state = _LibraryCodes({"w": jax.ShapeDtypeStruct((8, 2, 8), jnp.uint8)})
+  assert sharding.declared_layouts(state) == [sharding.Layout.FLAT]
+  assert sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH).codes["w"].spec == P("fsdp", None, "tp")
+
+
+def test_galore_projections_keep_the_parameters_axis_and_its_moments_follow_them():
+  # Its base optimizer's state (Adam's) lies in the projected space: GaLore's
+  # declaration covers it. (8, 16) is projected on the right: (8, 4) moments
+  # and a (16, 4) projector of the columns, cut flat; (16, 8) on the left.
+  params = {"wide": jax.ShapeDtypeStruct((8, 16), jnp.float32), "tall": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+  shardings = {"wide": PARAM_SHARDINGS["w"], "tall": PARAM_SHARDINGS["w"]}
+  state = jax.eval_shape(optax.contrib.scale_by_galore(rank=4).init, params)
+  laid_out = sharding.state_shardings(state, params, shardings, MESH)
+  adam = laid_out.base_optimizer_state
+  assert adam.mu["wide"].spec == adam.nu["wide"].spec == P("fsdp", None)
+  assert laid_out.projector["wide"].spec == P(("fsdp", "tp"), None)
+  assert adam.mu["tall"].spec == P(None, "tp")
+  assert laid_out.projector["tall"].spec == P("fsdp", None)
+
+
+def test_adafactor_statistics_are_cut_flat():
+  params = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32), "b": jax.ShapeDtypeStruct((16,), jnp.float32)}
+  shardings = {"w": PARAM_SHARDINGS["w"], "b": NamedSharding(MESH, P("fsdp"))}
+  state = jax.eval_shape(optax.scale_by_factored_rms(min_dim_size_to_factor=4).init, params)
+  assert (state.v_row["w"].shape, state.v_col["w"].shape, state.v["w"].shape) == ((8,), (16,), (1,))
+  laid_out = sharding.state_shardings(state, params, shardings, MESH)
+  assert laid_out.v_row["w"].spec == laid_out.v_col["w"].spec == P(("fsdp", "tp"))
+  assert laid_out.v["w"].spec == P(None)
+  # Unfactored: v follows its parameter.
+  assert laid_out.v["b"] == shardings["b"]
 
 
 def test_declared_scales_of_codes_in_the_parameters_shape_follow_its_rows():
@@ -80,8 +140,12 @@ def test_a_leaf_declared_like_its_parameter_must_have_its_shape():
     field_layouts = {"mu": sharding.Layout.PARAM}
 
   state = Moment({"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)})
-  with pytest.raises(ValueError, match="Layout.PARAM"):
+  with pytest.raises(ValueError, match="Moment.mu is declared Layout.PARAM"):
     sharding.state_shardings(state, PARAMS, PARAM_SHARDINGS, MESH)
+  # Whatever the parameter's sharding.
+  replicated = {"w": NamedSharding(MESH, P())}
+  with pytest.raises(ValueError, match="Moment.mu is declared Layout.PARAM"):
+    sharding.state_shardings(state, PARAMS, replicated, MESH)
 
 
 @pytest.mark.parametrize(
