@@ -207,10 +207,10 @@ def scale_by_adam_mini(
       denominator = jnp.sqrt(v) / jnp.sqrt(1 - beta2**t) + jnp.asarray(eps, dtype)
       return _divide_by_block(m_hat, denominator), m, v
 
-    steps = jax.tree.map(update_leaf, updates, state.mu, state.nu)
+    per_leaf = leaves.map_steps(update_leaf, updates, state.mu, state.nu)
     # Unzipped along ``updates``, which may have no leaf at all (every
     # parameter routed elsewhere by optax.partition).
-    directions, mu, nu = leaves.unzip(updates, steps, 3)
+    directions, mu, nu = leaves.unzip(updates, per_leaf, 3)
     directions = optax.tree.cast_like(directions, updates)
     mu = optax.tree.cast_like(mu, state.mu)
     return directions, ScaleByAdamMiniState(count=count, mu=mu, nu=nu)

@@ -196,7 +196,8 @@ def scale_by_lowbit_adam(
       direction = lowbit_adamw_update.adamw_direction(mu, nu, count=count, b1=b1, b2=b2, eps=eps)
       return direction.astype(grad.dtype), lowbit_adamw_update.LowbitMoments(mu, nu, mu_scales, nu_scales)
 
-    directions, moments = leaves.unzip(updates, leaves.map_steps(update_leaf, updates, *state[1:]), 2)
+    per_leaf = leaves.map_steps(update_leaf, updates, *state[1:])
+    directions, moments = leaves.unzip(updates, per_leaf, 2)
     return directions, ScaleByLowbitAdamState(count, *leaves.unzip(updates, moments, 4))
 
   # Reshapes into blocks split sharded axes: under explicit mesh axes the

@@ -240,6 +240,25 @@ class _Segments:
     return self.count * self.per_segment
 
 
+@dataclasses.dataclass(frozen=True)
+class _MatrixView:
+  """A parameter read as ``prod(batch_shape) * n_in`` rows of ``n_out`` outputs, each row cut by ``cut``.
+
+  Not a pytree: a tree of them, one per parameter, is an argument of the
+  per-parameter step like the state's trees.
+  """
+
+  batch_shape: tuple[int, ...]
+  n_in: int
+  n_out: int
+  cut: _Segments
+
+  @property
+  def slots_shape(self) -> tuple[int, ...]:
+    """The shape of the parameter's tracked indices and codes."""
+    return (*self.batch_shape, self.n_in, self.cut.count, self.cut.per_segment)
+
+
 def _scale_by_adam_float32_nu() -> optax.GradientTransformation:
   """``optax.scale_by_adam()`` with its second moment ``nu`` in float32 for parameters in a lower precision.
 
@@ -363,37 +382,37 @@ def scale_by_taco(
       f"matrix_axes must be a MatrixAxes or a function (path, parameter) -> MatrixAxes; got {matrix_axes!r}."
     )
 
-  def layout(path, leaf):
-    batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, leaf), path, leaf)
-    return batch_shape, n_in, n_out, _Segments.of(n_out, k, segments)
+  def matrix_views(params) -> Any:
+    """A ``_MatrixView`` per parameter, read by its :class:`MatrixAxes` (which may depend on its path)."""
 
-  def slots_shape(path, param):
-    batch_shape, n_in, _, cut = layout(path, param)
-    return (*batch_shape, n_in, cut.count, cut.per_segment)
+    def view(path, leaf):
+      batch_shape, n_in, n_out = _matrix_shape(_axes_for(matrix_axes, path, leaf), path, leaf)
+      return _MatrixView(batch_shape, n_in, n_out, _Segments.of(n_out, k, segments))
 
-  def first_columns(path, param):
+    return jax.tree_util.tree_map_with_path(view, params)
+
+  def first_columns(view):
     # Each part starts on its first columns, with zero momentum.
-    *_, n_out, cut = layout(path, param)
+    cut = view.cut
     columns = jnp.arange(cut.count)[:, None] * cut.width + jnp.arange(cut.per_segment)
-    return jnp.broadcast_to(columns.astype(static_args.index_dtype(n_out)), slots_shape(path, param))
+    return jnp.broadcast_to(columns.astype(static_args.index_dtype(view.n_out)), view.slots_shape)
 
-  def unit_scale(path, param):
-    batch_shape, n_in, _, cut = layout(path, param)
-    return jnp.ones((*batch_shape, n_in, min(cut.slots, 1)), _SCALE_DTYPE)
+  def unit_scale(view):
+    return jnp.ones((*view.batch_shape, view.n_in, min(view.cut.slots, 1)), _SCALE_DTYPE)
 
   def init_fn(params):
     leaves.check_param_dtypes(params, "taco")
-    with_path = jax.tree_util.tree_map_with_path
+    views = matrix_views(params)
     return ScaleByTacoState(
       count=jnp.zeros([], jnp.int32),
-      indices=with_path(first_columns, params),
-      mu=with_path(lambda path, p: jnp.zeros(slots_shape(path, p), _CODE_DTYPE), params),
-      scales=with_path(unit_scale, params),
+      indices=jax.tree.map(first_columns, views),
+      mu=jax.tree.map(lambda view: jnp.zeros(view.slots_shape, _CODE_DTYPE), views),
+      scales=jax.tree.map(unit_scale, views),
     )
 
-  def update_leaf(path, grad, index, codes, scale):
+  def update_leaf(grad, view, index, codes, scale):
     """One parameter: select each row's heavy hitters, step on the largest, store them."""
-    batch_shape, n_in, n_out, cut = layout(path, grad)
+    batch_shape, n_in, n_out, cut = view.batch_shape, view.n_in, view.n_out, view.cut
     if grad.size == 0:  # No row to select from, and n_out / n_in is undefined.
       return jnp.zeros_like(grad), index, codes, scale
     rows = math.prod(batch_shape) * n_in
@@ -438,8 +457,8 @@ def scale_by_taco(
 
   def update_fn(updates, state, params=None):
     del params
-    steps = jax.tree_util.tree_map_with_path(update_leaf, updates, state.indices, state.mu, state.scales)
-    directions, indices, mu, scales = leaves.unzip(updates, steps, 4)
+    per_leaf = leaves.map_steps(update_leaf, updates, matrix_views(updates), state.indices, state.mu, state.scales)
+    directions, indices, mu, scales = leaves.unzip(updates, per_leaf, 4)
     return directions, ScaleByTacoState(count=optax.safe_increment(state.count), indices=indices, mu=mu, scales=scales)
 
   return optax.GradientTransformation(init_fn, sharding.typed_like_inputs(update_fn))

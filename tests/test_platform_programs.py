@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import optax_memopt
 from memopt_tools.training.optimizers import OPTIMIZERS
+from optax_memopt import leaves
 from pallas_kernels import _backend, dispatch, xla_cpu
 
 # The ops with kernels the default step of each registered optimizer calls, and their kernels' custom calls;
@@ -62,3 +64,20 @@ def test_the_cpu_program_holds_the_cpu_aids_and_no_kernel(monkeypatch, name):
 
 def test_every_optimizer_with_kernels_is_covered():
   assert {name for name, spec in OPTIMIZERS.items() if spec.has_kernels} == {name for name, ops in OPS.items() if ops}
+
+
+@pytest.mark.parametrize("name", ["adam_mini", "adamw_4bit", "microadam", "taco", "ternary_adam"])
+def test_every_optimizer_maps_its_per_leaf_step_with_map_steps(monkeypatch, name):
+  """One idiom, ``leaves.map_steps`` then ``leaves.unzip``: every optimizer's leaves get its scheduling on XLA:CPU."""
+  mapped = []
+  map_steps = leaves.map_steps
+
+  def counted(step, tree, *rest):
+    mapped.append(len(jax.tree.leaves(tree)))
+    return map_steps(step, tree, *rest)
+
+  monkeypatch.setattr(leaves, "map_steps", counted)
+  tx = getattr(optax_memopt, name)(1e-3)
+  jax.eval_shape(tx.update, PARAMS, jax.eval_shape(tx.init, PARAMS), PARAMS)
+  # TACO steps the kernel, its fallback (Adam) the embedding and the bias.
+  assert mapped == [1 if name == "taco" else len(PARAMS)]
