@@ -36,9 +36,9 @@ model="${MODEL:-300M}" small_model="${SMALL_MODEL:-40M}" size="${SIZE:-$((32 * 1
 # each program's bytes and the time they take at the H200's 4.8 TB/s.
 # float32 parameters, then bfloat16 (each optimizer with stochastic rounding).
 # Ten steps per timed call: a step of 300M parameters in 219 tensors passes
-# about 880 arrays, whose dispatch alone took the host milliseconds. Compiles
-# run 8 at once: on the H200 machine MicroAdam's 300M step took 80 s to
-# compile, ternary Adam's 43 s, TACO's 20-29 s.
+# about 880 arrays, whose dispatch by the host can outlast the GPU's work.
+# Compiles run 8 at once: a 300M step compiles for up to minutes (each row's
+# compile_seconds in benchmarks/data/h200/).
 all="adamw microadam taco adam_mini ternary_adam adamw_8bit adamw_4bit adamw_fp8 adafactor galore"
 timing="--repeats 20 --steps-per-call 10 --compile-threads 8 --bandwidth 4.8"
 stage 150 step_time python -m benchmarks.step_time --models $model --optimizers $all \

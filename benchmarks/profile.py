@@ -61,7 +61,7 @@ def describe_instructions(hlo_text: str) -> dict[str, Instruction]:
   """Instruction name -> its ``Instruction`` in a compiled module's text.
 
   The stage is the outermost jitted function inside the step that the
-  instruction came from (``_block_topk``, ``_dequantize_add``, ...),
+  instruction came from (``_block_topk``, ``_decode_xla``, ...),
   ``step`` for code outside one, and ``(added by XLA)`` for instructions
   without a source, such as copies; the shape drops layouts, and a custom
   call's names its target (``TopK``, for instance). ``parts`` is the

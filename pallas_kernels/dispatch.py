@@ -40,15 +40,15 @@ an H200 against XLA are in ``benchmarks/README.md``, "On an H200".
   default on Hopper: it writes no float32 error and rewrites the codes in
   place; fewer bytes and temporaries in MicroAdam's H100 compile (commits
   94a48ae, 0781d17). On an H200 (JAX 0.11.2, 32M elements) the kernel as
-  it was then took 0.58x XLA's time but disagreed with XLA in 12,690 of
-  33.5M codes: it zeroed the selection by a rank bound compared with its
-  own decoded error, which the GPU compiler rounded otherwise than the
-  program that ranked it, so that at a block's threshold a selected entry
-  stayed. Both paths now zero the selection by position, from a bitmap of
-  its indices (commit 64ae6c2), so which entries are zeroed no longer
-  depends on how a program rounds the decoding; in the interpreter the two
-  agree bit for bit. The kernel has not run on a GPU since: untimed, and
-  its agreement with XLA there unchecked.
+  it was then took 0.58x XLA's time but its codes disagreed with XLA's
+  (``benchmarks/data/h200/kernels.json``): it zeroed the selection by a
+  rank bound compared with its own decoded error, which the GPU compiler
+  rounded otherwise than the program that ranked it, so that at a block's
+  threshold a selected entry stayed. Both paths zero the selection by
+  position, from a bitmap of its indices (commit 64ae6c2), so which entries
+  are zeroed does not depend on how a program rounds the decoding; in the
+  interpreter the two agree bit for bit. This kernel has not run on a GPU:
+  untimed, and its agreement with XLA there unchecked.
 * ``quantize.quantize``, ``dequantize`` and ``dequantize_add``: an XLA
   path and no kernel, not switched here. XLA fuses the decoding into its
   readers, which moves fewer bytes than a kernel writing it out

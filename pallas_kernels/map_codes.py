@@ -440,11 +440,11 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
 
   ``max(max |x|, 1e-12)``; divided by 448 for ``"float8_e4m3fn"``. For the
   maps' codes the floor is the reduction's initial value: the reduction then
-  writes the scales themselves, where a floor applied to its result took a
+  writes the scales themselves, where a floor applied to its result takes a
   pass of its own over the scales on XLA:GPU. fp8's floor and division stay
-  on the result: taking the division of each element before the reduction
-  (the same numbers) made XLA:GPU write small tensors' decoded moments out
-  between the two passes.
+  on the result: dividing each element before the reduction (the same
+  numbers) makes XLA:GPU write small tensors' decoded moments out between
+  the two passes.
   """
   if code == FLOAT8_CODE:
     absmax = xla_cpu.reduce_row(jnp.abs(blocks), np.float32(-np.inf), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)

@@ -30,7 +30,7 @@ per distinct index in index order, and the dense update reads them through
 a rank structure: a bitmap of the indices present and, per 32-element word,
 how many are present before it (``offsets[w] + popcount(bitmap[w] &
 below)``): a quarter of a byte per element (a bit, and an int32 per 32),
-where a map of int16 slots took 2.
+where a map of int16 slots would take 2.
 
 References:
   Modoranu et al., "MicroAdam: Accurate Adaptive Optimization with Low Space

@@ -19,11 +19,12 @@ step wait for the previous leaf's state, so the buffer holds one leaf's
 temporaries. On other backends it is ``jax.tree.map``: temporaries come
 from a pool there, and the wait would cost a small kernel per leaf.
 
-:func:`written_out` and :func:`reduce_row`, for ops' XLA paths. XLA fuses a
-cheap elementwise producer into each of its consumers and recomputes it
-there; XLA:CPU fuses a row reduction with its input's computation only over
-at most ``FUSED_REDUCTION`` entries (a wider one first writes the whole input
-out), and reduces short rows one at a time, without vector instructions.
+:func:`written_out`, for the zero that :func:`tree_map`'s leaves wait on:
+XLA fuses a cheap elementwise producer into each of its consumers and
+recomputes it there. :func:`reduce_row`, for ops' XLA paths: XLA:CPU fuses
+a row reduction with its input's computation only over at most
+``FUSED_REDUCTION`` entries (a wider one first writes the whole input out),
+and reduces short rows one at a time, without vector instructions.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def _on_xla_cpu(x: Any, aided: Callable[..., Any], *rest: Any) -> Any:
 def written_out(x: jax.Array) -> jax.Array:
   """``x``; on XLA:CPU computed once into a buffer that all its readers share.
 
-  For a value two loops read (a quantizer's statistics, then its codes),
-  which XLA:CPU would otherwise compute twice, the second time inside a loop
-  that may not vectorize. Rewriting the first element in place makes XLA
-  write ``x`` out (``lax.optimization_barrier`` does not: XLA:CPU removes
-  barriers before fusing).
+  For a value several loops read (the zero that :func:`tree_map`'s leaves
+  wait on), which XLA:CPU would otherwise compute again inside each of
+  them, perhaps in a loop that does not vectorize. Rewriting the first
+  element in place makes XLA write ``x`` out (``lax.optimization_barrier``
+  does not: XLA:CPU removes barriers before fusing).
   """
   if x.size == 0:
     return x
