@@ -505,10 +505,11 @@ def dequantize_add(
 def __getattr__(name: str) -> Any:
   """``requantize_unselected``, moved to ``pallas_kernels.error_feedback``, still read here (with a warning)."""
   if name == "requantize_unselected":
+    import importlib
     import warnings
 
-    from pallas_kernels import error_feedback
-
+    # Imported by name: error_feedback imports this module, which stays below it.
+    error_feedback = importlib.import_module("pallas_kernels.error_feedback")
     warnings.warn(
       "pallas_kernels.quantize.requantize_unselected moved to pallas_kernels.error_feedback.requantize_unselected.",
       DeprecationWarning,
