@@ -9,7 +9,8 @@ blocks of ``D = block_size`` consecutive elements; the last, tail block of
 
 entries of largest ``|x|``: ``k = keep(D)`` per full block and ``keep(r)``
 for the tail, as the reference implementation does (``k_block_size_many``
-and ``k_block_size_few`` in ISTA-DASLab-Optimizers' ``micro_adam.py``). The
+and ``k_block_size_few`` in ``ista_daslab_optimizers/micro_adam/micro_adam.py``
+of https://github.com/IST-DASLab/ISTA-DASLab-Optimizers). The
 product is rounded to 9 decimals before the ceiling, so that float noise
 (``100 * 0.07 = 7.000000000000001``) does not keep one entry more.
 
