@@ -21,9 +21,9 @@ code of the nearest entry of a map, or a float8 number:
   256: 2.03 bytes per parameter.
 
 Smaller tensors (biases, norm scales) keep float32 moments, as in the
-reference: per-block scales would cost as much as the codes save. Against
-float32 AdamW's 8 bytes per parameter, a 7B-parameter model's state is
-14.2 GB in 8 bits (56 GB in float32).
+reference: per-block scales would cost as much as the codes save. A model's
+state is then about its parameter count times the bytes per parameter above
+(float32 AdamW's: 8); ``optax_memopt.state_nbytes`` gives its exact size.
 
 Each step decodes the stored moments, updates them in float32, computes the
 direction from the unrounded moments and stores them again, in one pass

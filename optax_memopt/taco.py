@@ -43,7 +43,8 @@ Only the abstract is public; every choice below it leaves open is ours:
   ``|u|`` (it is some part's largest), but the slots spread over the row
   instead of following its ``k`` largest entries (``segments = 1``). One
   slot per part is the default because the selection is then two reductions
-  per part instead of a per-row top-k (several times faster on CPU), and a
+  per part instead of a per-row top-k (faster on CPU: the ``taco`` and
+  ``taco_one_segment`` rows of ``benchmarks/data/step_time.json``), and a
   part's slots live with its columns, so under tensor parallelism every
   device keeps the state of its own columns (``segments`` a multiple of the
   ``tp`` size). It costs a little loss against ``segments = 1``
@@ -168,8 +169,8 @@ class ScaleByTacoState(NamedTuple):
   # distinct within a row.
   indices: optax.Updates
   # shape=(*batch_shape, n_in, parts, slots), dtype=jnp.float8_e4m3fn: the tracked
-  # entries' momentum (optax's mu: an EMA of the gradient) / scales. Saved as
-  # momentum before issue 42 (optax_memopt.checkpoint restores those checkpoints).
+  # entries' momentum (optax's mu: an EMA of the gradient) / scales.
+  # optax_memopt.checkpoint also restores checkpoints that name it momentum.
   mu: optax.Updates
   # shape=(*batch_shape, n_in, min(parts * slots, 1)), dtype=jnp.bfloat16: a power of two.
   scales: optax.Updates
@@ -284,8 +285,8 @@ def _check_implementation(implementation: Any) -> None:
   """Refuses, naming it, an ``implementation`` other than ``None`` or ``"xla"``: the selection has no kernel."""
   if not (implementation is None or (isinstance(implementation, str) and implementation == "xla")):
     raise ValueError(
-      "implementation must be one of None or 'xla' (TACO's selection, pallas_kernels.column_select, is XLA only;"
-      f" its Pallas kernel is deleted); got {implementation!r}."
+      "implementation must be one of None or 'xla' (TACO's selection, pallas_kernels.column_select, is XLA only,"
+      f" with no Pallas kernel); got {implementation!r}."
     )
 
 
@@ -331,20 +332,18 @@ def scale_by_taco(
       moment decay. Unused when ``k = 0``.
     segments: contiguous parts of each row that keep ``k / segments`` heavy
       hitters each, ``>= 1`` and dividing ``k``; ``None`` is ``k`` (one
-      each, selected by reductions: several times faster on CPU than the
-      per-row top-k of ``segments = 1``, which keeps the row's ``k`` largest
-      wherever they are; see the module docstring). It fixes the state's
-      shape: when given, list it in ``static_args`` of
-      ``optax.inject_hyperparams``.
+      each, selected by reductions: faster on CPU than the per-row top-k of
+      ``segments = 1``, which keeps the row's ``k`` largest wherever they
+      are; see the module docstring). It fixes the state's shape: when
+      given, list it in ``static_args`` of ``optax.inject_hyperparams``.
     matrix_axes: a :class:`MatrixAxes` for every parameter, or a function
       ``(path, parameter) -> MatrixAxes`` (a function goes in ``static_args``
       of ``optax.inject_hyperparams``, which otherwise calls it as a
       schedule). Every parameter must have an output axis left (use
       :func:`taco` to route the others elsewhere).
     implementation: ``None`` or ``"xla"``, the same: the selection
-      (``pallas_kernels.column_select``) is XLA only on every platform. Kept
-      so that code naming it still runs; ``"pallas"`` and ``"interpret"``
-      (whose kernel is deleted) raise ``ValueError``.
+      (``pallas_kernels.column_select``) is XLA only on every platform, so
+      ``"pallas"`` and ``"interpret"`` raise ``ValueError``.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is a
@@ -554,17 +553,16 @@ def taco(
   except that for bfloat16 and float16 parameters Adam's ``nu`` is kept in
   float32 (where ``optax.adamw``'s bfloat16 ``nu`` cannot decay).
 
-  TACO's step is a signed, dimension-normalized one, and its best rate is
-  several times Adam's; by default (``fallback_learning_rate=None``) the
+  TACO's step is a signed, dimension-normalized one, and it wants a larger
+  rate than Adam's; by default (``fallback_learning_rate=None``) the
   fallback group trains at TACO's rate too (one
-  ``optax.scale_by_learning_rate(learning_rate)`` after both groups, the
-  state of earlier versions), so embeddings, norms and biases take Adam's
-  direction at that larger rate. Pass Adam's rate, as for
-  ``optax.contrib.muon``'s ``adam_learning_rate``, to train them as AdamW
-  would (the convergence benchmark's ``taco_fallback_adamw_rate``). No other
-  alias of this library has groups that want different rates: MicroAdam,
-  Adam-mini, ternary Adam and the low-bit AdamWs apply one Adam-like step to
-  every parameter.
+  ``optax.scale_by_learning_rate(learning_rate)`` after both groups), so
+  embeddings, norms and biases take Adam's direction at that larger rate.
+  Pass Adam's rate, as for ``optax.contrib.muon``'s ``adam_learning_rate``,
+  to train them as AdamW would (the convergence benchmark's
+  ``taco_fallback_adamw_rate``). No other alias of this library has groups
+  that want different rates: MicroAdam, Adam-mini, ternary Adam and the
+  low-bit AdamWs apply one Adam-like step to every parameter.
 
   Args:
     learning_rate: a scalar or schedule. TACO moves one entry per input

@@ -281,7 +281,7 @@ def scale_by_ternary_adam(
         nu = b2_ * nu + (1 - b2_) * g * g
         direction = (mu / bias_correction_1) / (jnp.sqrt(nu / bias_correction_2) + eps)
         return direction.astype(grad.dtype), packed, scales, mu, row, col, nu
-      momentum = ternary.TernaryArray(packed, scales)
+      mu_trits = ternary.TernaryArray(packed, scales)
       options = dict(
         seed=seed,
         count=count,
@@ -292,16 +292,16 @@ def scale_by_ternary_adam(
         packing=packing,
       )
       if not is_factored(grad, min_quantized_size):
-        step = ternary_adam_update(grad, momentum, nu, **options)
-        return step.direction, *step.momentum, mu, row, col, step.nu
+        step = ternary_adam_update(grad, mu_trits, nu, **options)
+        return step.direction, *step.mu, mu, row, col, step.nu
       # Adafactor's statistics of g**2 + eps over the last two axes; the
       # fused step takes the root of the nu they rebuild.
       row_means, block_absmax = _row_statistics(grad, block_size)
       col_means = jnp.mean(jnp.square(grad.astype(jnp.float32)), axis=-2)
       row = b2_ * row + (1 - b2_) * (row_means + _FACTORED_EPS)
       col = b2_ * col + (1 - b2_) * (col_means + _FACTORED_EPS)
-      step = ternary_adam_update(grad, momentum, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options)
-      return step.direction, *step.momentum, mu, row, col, nu
+      step = ternary_adam_update(grad, mu_trits, nu_root=_rebuild_root(row, col), block_absmax=block_absmax, **options)
+      return step.direction, *step.mu, mu, row, col, nu
 
     per_leaf = leaves.map_steps(
       update_leaf,

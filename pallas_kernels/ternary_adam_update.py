@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -63,7 +64,7 @@ class TernaryAdamStep(NamedTuple):
   """What one step returns."""
 
   direction: jax.Array  # The gradient's shape and dtype.
-  momentum: ternary.TernaryArray  # The new first moment, rounded stochastically.
+  mu: ternary.TernaryArray  # The new first moment, rounded stochastically.
   nu: jax.Array | None  # float32, nu's shape; None when the step was given nu_root.
 
 
@@ -72,7 +73,7 @@ class TernaryAdamStep(NamedTuple):
 
 def ternary_adam_update_reference(
   grad: jax.Array,
-  momentum: ternary.TernaryArray,
+  mu: ternary.TernaryArray,
   nu: jax.Array | None = None,
   *,
   nu_root: jax.Array | None = None,
@@ -91,7 +92,7 @@ def ternary_adam_update_reference(
   speed; arguments and result as ``ternary_adam_update``'s (unchecked).
   """
   layout = ternary.packing_layout(packing)
-  size, n_blocks = grad.size, math.prod(momentum.packed.shape[:-1])
+  size, n_blocks = grad.size, math.prod(mu.packed.shape[:-1])
   b1, b2, eps = (jnp.float32(x) for x in (b1, b2, eps))
   k = jnp.asarray(count).astype(jnp.float32)
   g = grad.reshape(-1).astype(jnp.float32)
@@ -101,10 +102,10 @@ def ternary_adam_update_reference(
     return jnp.repeat(scales.reshape(-1), block_size)[:size]
 
   # Byte j of a block holds the codes t + 1 of its elements j + p w, digit p.
-  block_bytes = momentum.packed.reshape(n_blocks, 1, -1).astype(jnp.int32)
+  block_bytes = mu.packed.reshape(n_blocks, 1, -1).astype(jnp.int32)
   codes = (block_bytes // place % layout.base).reshape(n_blocks, -1)[:, :block_size]
   trits = (codes.reshape(-1)[:size] - 1).astype(jnp.float32)
-  m = b1 * (trits * per_element(momentum.scales)) + (1 - b1) * g
+  m = b1 * (trits * per_element(mu.scales)) + (1 - b1) * g
   if nu is not None:
     nu_shape = nu.shape
     nu = b2 * nu.reshape(-1).astype(jnp.float32) + (1 - b2) * g * g
@@ -114,12 +115,12 @@ def ternary_adam_update_reference(
   direction = (m / (1 - b1**k)) / (root_of_nu_hat + eps)
 
   magnitude = jnp.pad(jnp.abs(g), (0, n_blocks * block_size - size))
-  new_scales = b1 * momentum.scales.reshape(-1) + (1 - b1) * magnitude.reshape(n_blocks, block_size).max(axis=1)
+  new_scales = b1 * mu.scales.reshape(-1) + (1 - b1) * magnitude.reshape(n_blocks, block_size).max(axis=1)
   bits = ternary.counter_hash_bits(seed, jnp.arange(size, dtype=jnp.uint32))
   uniform = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
   keep = uniform * per_element(new_scales) < jnp.abs(m)
   new_codes = jnp.where(keep, jnp.where(m < 0, 0, 2), 1)
-  width = momentum.packed.shape[-1]
+  width = mu.packed.shape[-1]
   slots = jnp.ones((n_blocks * block_size,), jnp.int32).at[:size].set(new_codes)
   slots = jnp.pad(
     slots.reshape(n_blocks, block_size), ((0, 0), (0, layout.planes * width - block_size)), constant_values=1
@@ -128,8 +129,8 @@ def ternary_adam_update_reference(
   return TernaryAdamStep(
     direction.reshape(grad.shape).astype(grad.dtype),
     ternary.TernaryArray(
-      new_bytes.astype(jnp.uint8).reshape(momentum.packed.shape),
-      new_scales.reshape(momentum.scales.shape),
+      new_bytes.astype(jnp.uint8).reshape(mu.packed.shape),
+      new_scales.reshape(mu.scales.shape),
     ),
     None if nu is None else nu.reshape(nu_shape),
   )
@@ -307,7 +308,7 @@ def _jitted_update(
 
 def ternary_adam_update(
   grad: jax.typing.ArrayLike,
-  momentum: ternary.TernaryArray,
+  mu: ternary.TernaryArray | None = None,
   nu: jax.typing.ArrayLike | None = None,
   *,
   nu_root: jax.typing.ArrayLike | None = None,
@@ -319,6 +320,7 @@ def ternary_adam_update(
   block_size: int,
   packing: str = "base3",
   block_absmax: jax.typing.ArrayLike | None = None,
+  momentum: ternary.TernaryArray | None = None,
 ) -> TernaryAdamStep:
   """One Adam step of a tensor whose first moment is stored as trits.
 
@@ -329,7 +331,7 @@ def ternary_adam_update(
     \\quad \\hat m' = s' \\cdot \\mathrm{round}_\\xi(m / s'), \\quad
     s' = \\beta_1 s + (1 - \\beta_1) \\max_\\text{block} |g|
 
-  where ``\\hat m`` is the decoded ``momentum`` with block scales ``s``, ``k``
+  where ``\\hat m`` is the decoded ``mu`` with block scales ``s``, ``k``
   is ``count`` and ``round_xi`` unbiased stochastic rounding to ``{-1, 0, 1}``
   with the random bits ``ternary.counter_hash_bits(seed, index)`` of the
   element's index in the flattened tensor (``optax_memopt.ternary_adam``
@@ -343,7 +345,7 @@ def ternary_adam_update(
 
   Args:
     grad: the gradient, a floating array of any shape.
-    momentum: the stored first moment of ``grad``, a ``TernaryArray`` in
+    mu: the stored first moment of ``grad``, a ``TernaryArray`` in
       the block-major layout of ``ternary.shapes(grad.shape, ...)`` (from
       ``ternary.zeros`` or a previous step).
     nu: last step's float32 second moment, ``grad.size`` elements; or None
@@ -362,42 +364,50 @@ def ternary_adam_update(
       without their last axis, where the caller has them from
       ``block_statistics`` (one reduction over ``g`` for both); found here
       otherwise.
+    momentum: the old name of ``mu`` (deprecated: a ``DeprecationWarning``).
 
   Returns:
     A ``TernaryAdamStep``: the direction ``u`` (the gradient's shape and
-    dtype), the new block-major ``TernaryArray`` and the new ``nu``
-    (``None`` when ``nu_root`` was given).
+    dtype), the new ``mu`` (a block-major ``TernaryArray``) and the new
+    ``nu`` (``None`` when ``nu_root`` was given).
 
   Raises:
     ValueError: naming the argument that is missing, of the wrong shape or
-      dtype, or out of range.
+      dtype, out of range, or given under both its names.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from pallas_kernels import ternary
     >>> from pallas_kernels.ternary_adam_update import ternary_adam_update
     >>> grad = jnp.linspace(-1.0, 1.0, 1024).reshape(4, 256)
-    >>> momentum = ternary.zeros(grad.shape, block_size=128)
+    >>> mu = ternary.zeros(grad.shape, block_size=128)
     >>> step = ternary_adam_update(
-    ...     grad, momentum, jnp.zeros_like(grad), seed=jnp.uint32(7), count=1,
+    ...     grad, mu, jnp.zeros_like(grad), seed=jnp.uint32(7), count=1,
     ...     b1=0.9, b2=0.999, eps=1e-8, block_size=128)
     >>> bool(jnp.allclose(step.direction, jnp.sign(grad), atol=1e-4))
     True
-    >>> step.momentum.packed.shape, step.momentum.scales.shape
+    >>> step.mu.packed.shape, step.mu.scales.shape
     ((4, 2, 26), (4, 2, 1))
 
   References:
     Kingma and Ba, "Adam: A Method for Stochastic Optimization", 2015
     (https://arxiv.org/abs/1412.6980).
   """
+  if momentum is not None:
+    if mu is not None:
+      raise ValueError("momentum is the old name of mu; pass mu only.")
+    warnings.warn("momentum is deprecated; pass mu instead.", DeprecationWarning, stacklevel=2)
+    mu = momentum
+  if mu is None:
+    raise ValueError("mu, the stored first moment, is missing.")
   grad = jnp.asarray(grad)
   if not jnp.issubdtype(grad.dtype, jnp.floating):
     raise ValueError(f"grad must have a floating dtype; got {grad.dtype}.")
   ternary.check_block_size(block_size)
   layout = ternary.packing_layout(packing)
-  if not isinstance(momentum, ternary.TernaryArray):
-    raise ValueError(f"momentum must be a TernaryArray; got {type(momentum).__name__}.")
-  stored, scales = (jnp.asarray(a) for a in momentum)
+  if not isinstance(mu, ternary.TernaryArray):
+    raise ValueError(f"mu must be a TernaryArray; got {type(mu).__name__}.")
+  stored, scales = (jnp.asarray(a) for a in mu)
   for name, actual, expected in zip(
     ("packed", "scales"),
     (stored, scales),
@@ -405,7 +415,7 @@ def ternary_adam_update(
   ):
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
       raise ValueError(
-        f"momentum.{name} must be {expected.dtype}{list(expected.shape)} for a"
+        f"mu.{name} must be {expected.dtype}{list(expected.shape)} for a"
         f" gradient of shape {grad.shape}, block_size={block_size} and"
         f" packing={packing!r}; got {actual.dtype}{list(actual.shape)}."
       )

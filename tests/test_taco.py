@@ -416,7 +416,7 @@ def test_the_fallback_rate_is_a_hyperparameter_under_inject_hyperparams(seed):
     (lambda: optax_memopt.scale_by_taco(beta=1.0), r"beta must be in \[0, 1\)"),
     (lambda: optax_memopt.taco(1e-2, beta=-0.1), r"beta must be in \[0, 1\)"),
     (lambda: optax_memopt.taco(1e-2, implementation="cuda"), "implementation must be one of"),
-    # The selection's kernel is deleted: a named one is refused, not replaced by XLA.
+    # The selection has no kernel: a named one is refused, not replaced by XLA.
     (lambda: optax_memopt.taco(1e-2, implementation="pallas"), r"implementation must be one of None or 'xla'"),
     (lambda: optax_memopt.scale_by_taco(implementation="interpret"), r"XLA only.*got 'interpret'"),
     (lambda: optax_memopt.taco(1e-2, fallback="adam"), "fallback must be an optax.GradientTransformation"),

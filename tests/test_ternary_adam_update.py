@@ -95,8 +95,8 @@ def _step(grad, stored, nu, seed, *, block_size, packing, update_nu, implementat
 
 
 def _assert_steps_equal(actual, expected, message):
-  np.testing.assert_array_equal(actual.momentum.packed, expected.momentum.packed, err_msg=message)
-  np.testing.assert_array_equal(actual.momentum.scales, expected.momentum.scales, err_msg=message)
+  np.testing.assert_array_equal(actual.mu.packed, expected.mu.packed, err_msg=message)
+  np.testing.assert_array_equal(actual.mu.scales, expected.mu.scales, err_msg=message)
   if expected.nu is None:
     assert actual.nu is None
   else:
@@ -145,13 +145,13 @@ def test_step_follows_the_formulas(implementation, packing, block_size, update_n
   # Exact too: B1 and 1 - B1 are powers of two, one rounding in the sum.
   old_scales = np.asarray(stored.scales).reshape(-1)
   bound = np.float32(B1) * old_scales + np.float32(1 - B1) * per_block(np.abs(g), np.max)
-  np.testing.assert_array_equal(step.momentum.scales.reshape(-1), bound, err_msg=message)
+  np.testing.assert_array_equal(step.mu.scales.reshape(-1), bound, err_msg=message)
   assert np.all(per_block(np.abs(m), np.max) <= bound), message
   # |t| = [u s < |m|] with the documented uniforms.
   scale = np.repeat(bound, block_size)[:size]
   trits = np.where(oracles.uniforms(rounding_seed, size) * scale < np.abs(m), np.sign(m), 0)
   np.testing.assert_array_equal(
-    step.momentum.packed, oracles.block_major_bytes(trits, shape, block_size, packing), err_msg=message
+    step.mu.packed, oracles.block_major_bytes(trits, shape, block_size, packing), err_msg=message
   )
 
   g, nu64 = np.asarray(grad, np.float64), np.asarray(nu, np.float64)
@@ -201,7 +201,7 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
     **_good_arguments()
     | dict(
       grad=jnp.ones((40, 50), jnp.bfloat16),
-      momentum=ternary.zeros((40, 50), block_size=64),
+      mu=ternary.zeros((40, 50), block_size=64),
       nu=jnp.zeros((40, 50)),
       block_size=64,
     )
@@ -215,7 +215,7 @@ def test_direction_keeps_the_gradient_shape_and_dtype():
 def _good_arguments():
   return dict(
     grad=jnp.ones(100),
-    momentum=ternary.zeros((100,), block_size=32),
+    mu=ternary.zeros((100,), block_size=32),
     nu=jnp.zeros(100),
     seed=jnp.uint32(0),
     count=1,
@@ -232,11 +232,12 @@ def _good_arguments():
     (dict(grad=jnp.ones(100, jnp.int32)), "grad"),
     (dict(block_size=48), "block_size"),
     (dict(packing="base5"), "packing"),
-    (dict(momentum=ternary.zeros((200,), block_size=32)), "packed"),
+    (dict(mu=ternary.zeros((200,), block_size=32)), "mu.packed"),
     # A flat byte layout is not the step's.
-    (dict(momentum=ternary.TernaryArray(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "packed"),
-    (dict(momentum=ternary.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "scales"),
-    (dict(momentum=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "momentum"),
+    (dict(mu=ternary.TernaryArray(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "mu.packed"),
+    (dict(mu=ternary.zeros((100,), block_size=32)._replace(scales=jnp.zeros(4))), "mu.scales"),
+    (dict(mu=(jnp.zeros(20, jnp.uint8), jnp.zeros(4))), "mu must be a TernaryArray"),
+    (dict(mu=None), "mu, the stored first moment, is missing"),
     (dict(nu=jnp.zeros(101)), "nu"),
     (dict(nu=None, nu_root=jnp.zeros(101)), "nu_root"),
     (dict(nu=None), "exactly one of nu"),
@@ -250,6 +251,18 @@ def _good_arguments():
 )
 def test_bad_arguments_raise(change, match):
   arguments = {**_good_arguments(), **change}
-  grad, momentum, nu = (arguments.pop(k) for k in ("grad", "momentum", "nu"))
+  grad, mu, nu = (arguments.pop(k) for k in ("grad", "mu", "nu"))
   with pytest.raises(ValueError, match=match):
-    ternary_adam_update(grad, momentum, nu, **arguments)
+    ternary_adam_update(grad, mu, nu, **arguments)
+
+
+def test_momentum_is_the_deprecated_name_of_mu():
+  arguments = _good_arguments() | dict(grad=jnp.linspace(-1.0, 1.0, 100), seed=jnp.uint32(3))
+  mu = ternary_adam_update(**arguments).mu  # Not all zeros.
+  arguments.pop("mu")
+  with pytest.warns(DeprecationWarning, match="pass mu instead"):
+    old = ternary_adam_update(momentum=mu, **arguments)
+  new = ternary_adam_update(mu=mu, **arguments)
+  _assert_steps_equal(old, new, "momentum= against mu=")
+  with pytest.raises(ValueError, match="momentum is the old name of mu; pass mu only"):
+    ternary_adam_update(mu=mu, momentum=mu, **arguments)
