@@ -260,27 +260,6 @@ class _MatrixView:
     return (*self.batch_shape, self.n_in, self.cut.count, self.cut.per_segment)
 
 
-def _scale_by_adam_float32_nu() -> optax.GradientTransformation:
-  """``optax.scale_by_adam()`` with its second moment ``nu`` in float32 for parameters in a lower precision.
-
-  At ``b2 = 0.999`` a step moves ``nu`` by 0.1% of itself, under half a
-  bfloat16 spacing: a bfloat16 ``nu`` can grow but never decay, and the
-  steps of the tensors it normalizes shrink as their gradients do. optax's
-  update keeps ``nu`` in the dtype it was initialised with, so a float32
-  ``nu`` stays float32; ``mu`` keeps the parameters' dtype (a step moves it
-  by a tenth of ``g - mu``). For float32 and float64 parameters this is
-  ``optax.scale_by_adam()``.
-  """
-  adam = optax.scale_by_adam()
-
-  def init_fn(params):
-    state = adam.init(params)
-    nu = jax.tree.map(lambda v: v.astype(jnp.promote_types(v.dtype, jnp.float32)), state.nu)
-    return state._replace(nu=nu)
-
-  return optax.GradientTransformation(init_fn, adam.update)
-
-
 def _check_implementation(implementation: Any) -> None:
   """Refuses, naming it, an ``implementation`` other than ``None`` or ``"xla"``: the selection has no kernel."""
   if not (implementation is None or (isinstance(implementation, str) and implementation == "xla")):
@@ -549,9 +528,7 @@ def taco(
   optax.scale_by_learning_rate(learning_rate), "fallback":
   optax.scale_by_learning_rate(fallback_learning_rate)}, labels))``. With
   the default fallback (Adam's direction) the fallback group trains exactly
-  as ``optax.adamw(fallback_learning_rate, weight_decay=weight_decay)``,
-  except that for bfloat16 and float16 parameters Adam's ``nu`` is kept in
-  float32 (where ``optax.adamw``'s bfloat16 ``nu`` cannot decay).
+  as ``optax.adamw(fallback_learning_rate, weight_decay=weight_decay)``.
 
   TACO's step is a signed, dimension-normalized one, and it wants a larger
   rate than Adam's; by default (``fallback_learning_rate=None``) the
@@ -574,8 +551,7 @@ def taco(
     mask: which leaves weight decay applies to (pytree of bools or a
       function of the params); ``None`` decays all.
     fallback: the direction for the ``"fallback"`` group, a transformation
-      without learning rate; ``None`` is ``optax.scale_by_adam()``, its
-      ``nu`` in float32 for bfloat16 and float16 parameters. Chain
+      without learning rate; ``None`` is ``optax.scale_by_adam()``. Chain
       ``optax.scale(c)`` into it to give that group a relative step size.
     labels: ``"taco"``/``"fallback"`` per parameter, a pytree (prefix) of the
       params or a function of them; ``None`` is :func:`taco_labels` with
@@ -623,7 +599,7 @@ def taco(
     for LLM Fine-Tuning", 2026, https://arxiv.org/abs/2610.02199
   """
   if fallback is None:
-    fallback = _scale_by_adam_float32_nu()
+    fallback = optax.scale_by_adam()
   elif not isinstance(fallback, optax.GradientTransformation):
     raise ValueError(f"fallback must be an optax.GradientTransformation; got {type(fallback).__name__}.")
   hyperparameters.check_names("embedding_names", embedding_names)
