@@ -560,11 +560,9 @@ def _print_training_step(args: argparse.Namespace, param_dtype: Any, memory: Mem
     tx = train_compile.registered_optimizer(name, **optimizer_options)
     found = train_compile.largest_batch(
       lambda batch: (
-        (
-          program
-          if batch == args.batch
-          else train_compile.compile_train_step(loss_fn, params, tokens(batch), tx, **options)
-        ).peak_bytes
+        program.peak_bytes
+        if batch == args.batch
+        else train_compile.train_step_peak_bytes(loss_fn, params, tokens(batch), tx, target=args.compile)
       ),
       program.budget_bytes,
       first=1,

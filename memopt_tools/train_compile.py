@@ -137,6 +137,26 @@ def activations_bytes(
   )
 
 
+def _compiled_step(loss_fn, params, state, batch, tx: optax.GradientTransformation, target: str) -> Any:
+  """:func:`training_step` compiled for one GPU of ``target``, parameters and state donated."""
+  place = _single_device(target)
+  step = jax.jit(training_step(loss_fn, tx), donate_argnums=(0, 1))
+  return step.lower(place(params), place(state), place(batch)).compile()
+
+
+def train_step_peak_bytes(
+  loss_fn: Callable[[Any, Any], jax.Array], params: Any, batch: Any, tx: optax.GradientTransformation, *, target: str
+) -> int:
+  """XLA's peak of :func:`compile_train_step`'s program alone, without compiling its activations' program.
+
+  Args:
+    loss_fn, params, batch, tx, target: as for :func:`compile_train_step`.
+  """
+  params, batch = _abstract(params), _abstract(batch)
+  compiled = _compiled_step(loss_fn, params, jax.eval_shape(tx.init, params), batch, tx, target)
+  return gpu_compile.ProgramMemory(**gpu_compile.ProgramMemory.fields_of(compiled)).peak_bytes
+
+
 def compile_train_step(
   loss_fn: Callable[[Any, Any], jax.Array],
   params: Any,
@@ -173,12 +193,9 @@ def compile_train_step(
   """
   if not 0 <= margin < 1:
     raise ValueError(f"margin must be in [0, 1); got {margin!r}.")
-  place = _single_device(target)
   params, batch = _abstract(params), _abstract(batch)
   state = jax.eval_shape(tx.init, params)
-
-  step = training_step(loss_fn, tx)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(place(params), place(state), place(batch)).compile()
+  compiled = _compiled_step(loss_fn, params, state, batch, tx, target)
   param_bytes = state_nbytes(params)
   return TrainStepProgram(
     target=target,

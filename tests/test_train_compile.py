@@ -64,6 +64,10 @@ def test_the_peak_is_made_of_parameters_gradients_state_batch_activations_and_th
   assert program.peak_bytes >= program.argument_bytes + hidden
   parts = (program.param_bytes, program.gradient_bytes, program.state_bytes, program.batch_bytes)
   assert program.update_bytes == program.peak_bytes - sum(parts) - program.activations_bytes
+  # The peak alone (what --largest-batch compiles) is the whole step's.
+  assert train_compile.train_step_peak_bytes(mlp_loss, params, batch, optax.adamw(1e-3), target="h100") == (
+    program.peak_bytes
+  )
   # The activations are the forward and backward pass's, whatever the optimizer.
   sgd = train_compile.compile_train_step(mlp_loss, params, batch, optax.sgd(1e-3))
   assert sgd.activations_bytes == program.activations_bytes and sgd.state_bytes == 0
