@@ -233,7 +233,7 @@ def train_once(case: Case, seed: int, base_params) -> dict:
   start = time.perf_counter()
   result, divergence = convergence.train_task(config, tx, task, seed=seed, params=params)
   diverged = None if divergence is None else divergence.step
-  validation = None if diverged else result.validation_loss
+  validation = None if divergence is not None else result.validation_loss
   return {
     "optimizer": case.optimizer,
     "exponent": case.exponent,
