@@ -49,8 +49,11 @@ to exactly zero, as the reference's initial state.
 The step is XLA code (:func:`lowbit_adamw_update` is its reference and its
 fast path), elementwise in the tensor's shape except for the blocks' absmax.
 In a GPU program the new moments are computed twice (:func:`_codes_zero`):
-one pass over memory reads ``g`` and the codes for the blocks' absmax and the
-direction, a second reads them again and writes the new codes over the old
+one pass over memory reads ``g`` and both moments' codes for the blocks'
+absmax of ``m'`` and ``v'`` (one reduction of the two:
+:func:`pallas_kernels.map_codes.map_scales_together`; reduced apart, XLA:GPU
+fused ``v'``'s into the second pass on the largest tensors and wrote ``v``'s
+codes in a third), a second reads them again and writes the new codes over the old
 ones (in place where decoding and encoding are elementwise: float8 and
 4-bit codes; 8-bit codes are table reads, whose results XLA:GPU writes to a
 new buffer and copies), and no float32 moment is written between them. A Mosaic GPU kernel
@@ -366,13 +369,13 @@ def lowbit_adamw_update(
     return _moments(grad, mu, nu, b1, b2, zero)
 
   count = jnp.asarray(count)
-  # The blocks' absmax in a first pass (decoding by table reads); the new
+  # Both moments' blocks' absmax in a first pass (decoding by table reads); the new
   # codes and the direction in a second, elementwise, that XLA:GPU fuses with
   # the parameters' update and that writes the codes in place.
-  scales = [
-    map_codes.map_scales(to_blocks(_stored(x), blocks, block_size), code=code)
-    for x, code in zip(new_moments(_opaque_zero(count), in_place=False), (state.mu_code, state.nu_code))
-  ]
+  scales = map_codes.map_scales_together(
+    [to_blocks(_stored(x), blocks, block_size) for x in new_moments(_opaque_zero(count), in_place=False)],
+    codes=(state.mu_code, state.nu_code),
+  )
   mu, nu = new_moments(_codes_zero(count), in_place=True)
   codes = [
     map_codes.map_encode(_stored(x), per_element(s), code=code)

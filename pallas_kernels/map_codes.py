@@ -28,7 +28,7 @@ References:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -446,11 +446,30 @@ def map_scales(blocks: jax.Array, *, code: str) -> jax.Array:
   numbers) makes XLA:GPU write small tensors' decoded moments out between
   the two passes.
   """
-  if code == FLOAT8_CODE:
-    absmax = xla_cpu.reduce_row(jnp.abs(blocks), np.float32(-np.inf), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)
-    return _divide(jnp.maximum(absmax[..., None], MAP_ZERO_BLOCK_SCALE), FLOAT8_MAX)
-  floor = np.float32(MAP_ZERO_BLOCK_SCALE)
-  return xla_cpu.reduce_row(jnp.abs(blocks), floor, lax.max, fold_to=xla_cpu.FUSED_REDUCTION)[..., None]
+  (scales,) = map_scales_together([blocks], codes=[code])
+  return scales
+
+
+def map_scales_together(blocks: Sequence[jax.Array], *, codes: Sequence[str]) -> list[jax.Array]:
+  """:func:`map_scales` of each of ``blocks`` (arrays of one shape) under its code, in one reduction.
+
+  One variadic reduction reads every input in one pass over memory: XLA
+  cannot then fuse one absmax into a later pass that reads the inputs of
+  the other again.
+  """
+  inits = tuple(np.float32(-np.inf if code == FLOAT8_CODE else MAP_ZERO_BLOCK_SCALE) for code in codes)
+  absmaxes = xla_cpu.reduce_row(
+    tuple(jnp.abs(b) for b in blocks),
+    inits,
+    lambda a, b: tuple(map(lax.max, a, b)),
+    fold_to=xla_cpu.FUSED_REDUCTION,
+  )
+  return [
+    _divide(jnp.maximum(absmax[..., None], MAP_ZERO_BLOCK_SCALE), FLOAT8_MAX)
+    if code == FLOAT8_CODE
+    else absmax[..., None]
+    for absmax, code in zip(absmaxes, codes)
+  ]
 
 
 def _float8_magnitude_code(magnitudes: jax.Array) -> jax.Array:

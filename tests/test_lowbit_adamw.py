@@ -392,19 +392,22 @@ def test_on_an_h100_the_new_codes_are_written_over_the_old(kind):
 
 
 @needs_plugin
+@pytest.mark.parametrize("shape, count", [((512, 1024), 4), ((32000, 4096), 1)])
 @pytest.mark.parametrize(
   "kind, codes, scales, scale_passes",
   [("adamw_8bit", 2, 2 * 4 / 256, 0), ("adamw_4bit", 1, 2 * 4 / 128, 0), ("adamw_fp8", 2, 2 * 4 / 256, 1)],
 )
-def test_on_an_h100_a_bfloat16_step_moves_two_passes_and_the_scales(kind, codes, scales, scale_passes):
+def test_on_an_h100_a_bfloat16_step_moves_two_passes_and_the_scales(kind, codes, scales, scale_passes, shape, count):
   """bfloat16 parameters, stochastic rounding; per parameter, ``codes`` bytes of both moments' codes and
   ``scales`` bytes of their scales. The pass that reduces each block's absmax reads g and the codes; the
   pass that writes the codes reads p, g and the codes and writes p and the codes; the old scales are read
   by both, the new ones written once and read once; XLA:GPU copies the old ones before the new ones take
   their donated buffer; fp8's division of the scales by 448 is a pass of its own over them (the 1e-12
   floor, applied to the reduction's result, was another: 0.0625 for 8-bit); the step's scalars and the
-  rounding's seeds, a few kilobytes."""
-  params = {f"w{i}": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16) for i in range(4)}
+  rounding's seeds, a few kilobytes. The embedding-sized tensor: with the two absmaxes reduced apart,
+  XLA:GPU fused ``v``'s into the pass that writes the parameters and ``m``'s codes, and wrote ``v``'s
+  codes in a third pass (fp8: 16.25)."""
+  params = {f"w{i}": jax.ShapeDtypeStruct(shape, jnp.bfloat16) for i in range(count)}
   tx = optax_memopt.with_stochastic_rounding(getattr(optax_memopt, kind)(1e-3))
   program = gpu_compile.compile_step(tx, params)
   passes = (2 + codes) + (2 + 2 + codes + 2 + codes)
