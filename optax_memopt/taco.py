@@ -42,7 +42,7 @@ Only the abstract is public; every choice below it leaves open is ours:
   with ``k / segments`` slots. The step is still on the row's largest
   ``|u|`` (it is some part's largest), but the slots spread over the row
   instead of following its ``k`` largest entries (``segments = 1``). One
-  slot per part is the default because the selection is then two reductions
+  slot per part is the default because the selection is then one reduction
   per part instead of a per-row top-k (faster on CPU: the ``taco`` and
   ``taco_one_segment`` rows of ``benchmarks/data/step_time.json``), and a
   part's slots live with its columns, so under tensor parallelism every

@@ -25,9 +25,11 @@ order. ``lax.top_k`` ranks floats this way; the one-column path compares
 order).
 
 :func:`column_select` is the reference, with ``keep = 1`` and at most one
-tracked entry taken by two reductions over the magnitude keys instead of a
-top-k (the largest, then the lowest column holding it), the tracked entry
-added by a compare, which keeps ``u`` elementwise in ``g`` (split as ``g``
+tracked entry taken by one reduction over (magnitude key, column) pairs
+instead of a top-k (the larger key, of equal keys the lower column: one
+pass over ``g``, where a reduction of the keys and then of the columns
+holding the largest wrote each element's key or column out between them),
+the tracked entry added by a compare, which keeps ``u`` elementwise in ``g`` (split as ``g``
 under sharding). It is XLA only, on every platform, and takes no
 ``implementation=`` (``pallas_kernels.dispatch``: its Mosaic GPU kernel,
 slower than this path on an H200, is deleted).
@@ -82,11 +84,18 @@ def column_select_reference(
   return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
 
 
-def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
-  """The reference, with ``keep = 1`` taken by two reductions instead of a top-k.
+def _larger_key_lower_column(a, b):
+  """Of two (key, column) pairs, the larger key; of equal keys, the lower column."""
+  (key_a, column_a), (key_b, column_b) = a, b
+  take_a = (key_a > key_b) | ((key_a == key_b) & (column_a < column_b))
+  return jnp.where(take_a, key_a, key_b), jnp.where(take_a, column_a, column_b)
 
-  The largest magnitude key, then the lowest column holding it
-  (``xla_cpu.reduce_row``); the value there is read from ``grads`` plus the
+
+def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
+  """The reference, with ``keep = 1`` taken by one reduction instead of a top-k.
+
+  The largest magnitude key and the lowest column holding it, reduced
+  together (``xla_cpu.reduce_row`` of the pairs); the value there is read from ``grads`` plus the
   tracked offset rather than from ``u``, which keeps ``u`` a value XLA
   recomputes inside each reduction instead of writing it out.
   """
@@ -99,9 +108,12 @@ def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelect
   if tracked:
     u = jnp.where(position == tracked_index, u + tracked_offset, u)
   keys = magnitude_key(u)
-  largest = xla_cpu.reduce_row(keys, np.int32(np.iinfo(np.int32).min), lax.max, fold_to=xla_cpu.FUSED_REDUCTION)
-  at_largest = jnp.where(keys == largest[..., None], position, width)
-  index = xla_cpu.reduce_row(at_largest, np.int32(np.iinfo(np.int32).max), lax.min, fold_to=xla_cpu.FUSED_REDUCTION)
+  _, index = xla_cpu.reduce_row(
+    (keys, jnp.broadcast_to(position, keys.shape)),
+    (np.int32(np.iinfo(np.int32).min), np.int32(width)),
+    _larger_key_lower_column,
+    fold_to=xla_cpu.FUSED_REDUCTION,
+  )
   index = index[..., None]
   value = jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1)
   if tracked:
@@ -142,12 +154,13 @@ def column_select(
     tracked_index: ``[*rows, t]`` integer columns in ``[0, width)``, distinct
       within a row; ``None`` (with ``tracked_offset``) for no tracked entries.
     tracked_offset: ``[*rows, t]`` offsets added to ``grads`` at
-      ``tracked_index``. With ``keep = 1`` and one tracked entry, XLA may
-      recompute ``u`` in each of the two reductions: if the offset is an
-      inexact product computed in the same jit, XLA may fuse it into the add
-      as an FMA in one reduction and not the other, and a row's largest
-      would then match no entry. Pass offsets whose product is exact (TACO
-      rounds its momentum weight to bfloat16) or computed outside the jit.
+      ``tracked_index``. With ``keep = 1`` and one tracked entry, ``u`` at
+      the selected column is computed again from ``grads`` and the offset:
+      if the offset is an inexact product computed in the same jit, XLA may
+      fuse it into the add as an FMA in the reduction and not there, and the
+      value returned would differ from the one ranked in its last bit. Pass
+      offsets whose product is exact (TACO rounds its momentum weight to
+      bfloat16) or computed outside the jit.
     keep: columns returned per row, in ``[1, width]``.
 
   Returns:

@@ -13,6 +13,7 @@ import pytest
 import optax_memopt
 from memopt_tools.training import loop, model
 from optax_memopt import MatrixAxes
+from tests.test_gpu_compile import gpu_compile, needs_plugin
 
 
 def numpy_direction(u, batch_dims=0, input_dims=1):
@@ -476,3 +477,17 @@ def test_the_cuda_program_selects_with_xla_on_hopper(monkeypatch, implementation
   grads = {"w": jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)}
   text = _backend.lower_for_cuda(tx.update, grads, jax.eval_shape(tx.init, grads))
   assert _backend.MOSAIC_GPU_CALL not in text and _backend.TRITON_CALL not in text
+
+
+@needs_plugin
+@pytest.mark.parametrize("dtype, bound", [(jnp.bfloat16, 8.25), (jnp.float32, 16.25)])
+def test_on_an_h100_the_selection_reads_the_gradient_in_one_pass(dtype, bound):
+  """Compiled for an H100, per parameter of covered matrices: the selection's one reduction reads ``g``;
+  the value at the selected column is read by a gather, which the byte counter counts as a read of the
+  whole ``g``; the parameters' update reads and writes ``p``; the heavy hitters, their copies and the
+  rows' reductions, 0.17. A reduction of the magnitude keys, then one of the columns holding the largest,
+  wrote an int32 per element between them (16.17 and 24.17 bytes)."""
+  params = {f"w{i}": jax.ShapeDtypeStruct((1024, 4096), dtype) for i in range(2)}
+  program = gpu_compile.compile_step(optax_memopt.taco(1e-3), params)
+  assert program.moved_bytes / program.n_params < bound
+  assert program.temporaries_bytes / program.n_params < 0.05
