@@ -84,6 +84,14 @@ def test_the_cpu_step_time_table_is_rendered_from_the_results():
   assert step_time.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
 
 
+def test_the_cpu_step_time_table_of_galore_is_rendered_from_its_results():
+  from benchmarks import step_time
+
+  results = json.loads((ROOT / "benchmarks" / "data" / "step_time_galore.json").read_text())
+  assert {row["optimizer"] for row in results["rows"]} >= {"adamw", "galore", "galore_svd_step"}
+  assert step_time.render(results) in (ROOT / "benchmarks" / "README.md").read_text()
+
+
 @pytest.mark.parametrize("name", ["step_time_1_bf16", "step_time_1_rest", "step_time_2", "step_time_2_bf16"])
 def test_the_h200_step_time_tables_are_rendered_from_the_results(name):
   from benchmarks import step_time
