@@ -25,11 +25,11 @@ order. ``lax.top_k`` ranks floats this way; the one-column path compares
 order).
 
 :func:`column_select` is the reference, with ``keep = 1`` and at most one
-tracked entry taken by one reduction over (magnitude key, column) pairs
-instead of a top-k (the larger key, of equal keys the lower column: one
-pass over ``g``, where a reduction of the keys and then of the columns
-holding the largest wrote each element's key or column out between them),
-the tracked entry added by a compare, which keeps ``u`` elementwise in ``g`` (split as ``g``
+tracked entry taken by an argmax of the magnitude keys instead of a top-k
+(one reduction, which reads ``g`` once and returns the lowest column among
+equal keys; a reduction of the keys and then one of the columns holding the
+largest would make XLA:GPU write each element's key out between them), the
+tracked entry added by a compare, which keeps ``u`` elementwise in ``g`` (split as ``g``
 under sharding). It is XLA only, on every platform, and takes no
 ``implementation=`` (``pallas_kernels.dispatch``: its Mosaic GPU kernel,
 slower than this path on an H200, is deleted).
@@ -47,10 +47,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from pallas_kernels import static_args, xla_cpu
+from pallas_kernels import static_args
 from pallas_kernels.topk import magnitude_key
 
 
@@ -84,37 +83,23 @@ def column_select_reference(
   return ColumnSelection(index, jnp.take_along_axis(u, index, axis=-1))
 
 
-def _larger_key_lower_column(a, b):
-  """Of two (key, column) pairs, the larger key; of equal keys, the lower column."""
-  (key_a, column_a), (key_b, column_b) = a, b
-  take_a = (key_a > key_b) | ((key_a == key_b) & (column_a < column_b))
-  return jnp.where(take_a, key_a, key_b), jnp.where(take_a, column_a, column_b)
-
-
 def _select_xla(grads, tracked_index, tracked_offset, keep: int) -> ColumnSelection:
-  """The reference, with ``keep = 1`` taken by one reduction instead of a top-k.
+  """The reference, with ``keep = 1`` taken by an argmax instead of a top-k.
 
-  The largest magnitude key and the lowest column holding it, reduced
-  together (``xla_cpu.reduce_row`` of the pairs); the value there is read from ``grads`` plus the
-  tracked offset rather than from ``u``, which keeps ``u`` a value XLA
-  recomputes inside each reduction instead of writing it out.
+  ``jnp.argmax`` of the magnitude keys: the largest, at the lowest column
+  holding it. The value there is read from ``grads`` plus the tracked offset
+  rather than from ``u``, which keeps ``u`` a value XLA recomputes inside
+  the reduction instead of writing it out.
   """
   if keep > 1 or tracked_index.shape[-1] > 1:
     return column_select_reference(grads, tracked_index, tracked_offset, keep=keep)
-  width = grads.shape[-1]
-  position = jnp.arange(width, dtype=jnp.int32)
+  position = jnp.arange(grads.shape[-1], dtype=jnp.int32)
   tracked = tracked_index.shape[-1] == 1
   u = grads.astype(jnp.float32)
   if tracked:
     u = jnp.where(position == tracked_index, u + tracked_offset, u)
   keys = magnitude_key(u)
-  _, index = xla_cpu.reduce_row(
-    (keys, jnp.broadcast_to(position, keys.shape)),
-    (np.int32(np.iinfo(np.int32).min), np.int32(width)),
-    _larger_key_lower_column,
-    fold_to=xla_cpu.FUSED_REDUCTION,
-  )
-  index = index[..., None]
+  index = jnp.argmax(keys, axis=-1, keepdims=True).astype(jnp.int32)
   value = jnp.take_along_axis(grads.astype(jnp.float32), index, axis=-1)
   if tracked:
     # -0.0 where the column is not the tracked one leaves every float as it is.
@@ -157,7 +142,7 @@ def column_select(
       ``tracked_index``. With ``keep = 1`` and one tracked entry, ``u`` at
       the selected column is computed again from ``grads`` and the offset:
       if the offset is an inexact product computed in the same jit, XLA may
-      fuse it into the add as an FMA in the reduction and not there, and the
+      fuse it into the add as an FMA in the argmax and not there, and the
       value returned would differ from the one ranked in its last bit. Pass
       offsets whose product is exact (TACO rounds its momentum weight to
       bfloat16) or computed outside the jit.

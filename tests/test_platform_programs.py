@@ -23,8 +23,8 @@ OPS = {
   "taco": {},
   "taco_one_segment": {},
 }
-# TACO with one segment per row selects by a plain top-k: nothing to aid.
-WITHOUT_CPU_AIDS = {"taco_one_segment"}
+# TACO selects by an argmax per part, and with one segment per row by a plain top-k: nothing to aid.
+WITHOUT_CPU_AIDS = {"taco", "taco_one_segment"}
 
 # Large enough for every kernel's whole blocks and every quantized state.
 PARAMS = {"kernel": jnp.zeros((64, 4096)), "embedding": jnp.zeros((512, 256)), "bias": jnp.zeros((512,))}
