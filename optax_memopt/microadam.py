@@ -373,6 +373,7 @@ def scale_by_microadam(
         size=gradient.size,
         density=density,
         block_size=block_size,
+        dtype=gradient.dtype,
         entries_at_once=entries_at_once,
       )
       return (direction, indices, values, *error)

@@ -235,7 +235,9 @@ def _compact_by_index(
   offsets = _rank_offsets(chunk_bitmap, words)
   below = lax.population_count(chunk_bitmap[word] & (bit - jnp.uint32(1))).astype(jnp.int32)
   rank = (first_block + block) * n_entries + offsets.reshape(-1)[word] + below
-  directions = directions.at[jnp.where(first, rank, directions.size)].set(direction, mode="drop")
+  directions = directions.at[jnp.where(first, rank, directions.size)].set(
+    direction.astype(directions.dtype), mode="drop"
+  )
   return directions, bitmap
 
 
@@ -304,18 +306,23 @@ def _block_directions(local, ring_values, weights, eps, first_block, buffers, *,
 # directions and bitmap in place, so that the sort's and the sums' arrays
 # (tens of bytes per entry) stay a bounded size rather than grow with the
 # tensor: a large embedding's would otherwise be the step's largest
-# temporaries.
-WINDOW_ENTRIES_AT_ONCE = 1 << 21
+# temporaries. Chunks this small also keep XLA:GPU from writing each entry's
+# two float32 terms out before summing them (with 2**21 it did, for the
+# tensors under the bound in one fusion whose outputs were live together,
+# and a Llama-2-7B layer's step moved 2 to 3 bytes per parameter more).
+WINDOW_ENTRIES_AT_ONCE = 1 << 18
 
 
 def _dense_update(
-  ring, weights, eps, *, n_blocks: int, width: int, block_size: int, entries_at_once: int | None = None
+  ring, weights, eps, *, n_blocks: int, width: int, block_size: int, dtype, entries_at_once: int | None = None
 ) -> jax.Array:
   """The flat dense update of ``n_blocks`` blocks of ``width`` elements from their ring columns.
 
   ``ring`` is ``(indices, values)``, ``[window, n_blocks * keep]`` each.
   More than ``entries_at_once`` entries go through a loop over chunks
-  of blocks of one size, the last ending at the last block.
+  of blocks of one size, the last ending at the last block. The compacted
+  directions, which wait for the parameters' update that reads them, are
+  stored in ``dtype``.
   """
   window, n_columns = ring[0].shape
   keep = n_columns // n_blocks
@@ -340,7 +347,7 @@ def _dense_update(
     bitmap = lax.dynamic_update_slice_in_dim(bitmap, cleared, first_block * words, 0)
     return chunk_directions(first_block, chunk, (directions, bitmap))
 
-  buffers = (jnp.zeros((n_blocks * n_entries + 1,), jnp.float32), jnp.zeros((n_blocks * words,), jnp.uint32))
+  buffers = (jnp.zeros((n_blocks * n_entries + 1,), dtype), jnp.zeros((n_blocks * words,), jnp.uint32))
   if n_chunks == 1:
     buffers = chunk_directions(0, n_blocks, buffers)
   else:
@@ -349,7 +356,7 @@ def _dense_update(
   return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 
 
-def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_at_once=None):
+def _update_xla(indices, values, weights, eps, *, size, block_size, k, dtype, entries_at_once=None):
   """The direction at the window's entries only, read densely through a bitmap rank.
 
   The only dense array is the update, gathered from each block's compacted
@@ -367,19 +374,22 @@ def _update_xla(indices, values, weights, eps, *, size, block_size, k, entries_a
         n_blocks=full_blocks,
         width=block_size,
         block_size=block_size,
+        dtype=dtype,
         entries_at_once=entries_at_once,
       )
     )
   if tail:
     ring = [r[:, full_blocks * k :] for r in (indices, values)]
-    dense.append(_dense_update(ring, weights, eps, n_blocks=1, width=tail, block_size=block_size))
+    dense.append(_dense_update(ring, weights, eps, n_blocks=1, width=tail, block_size=block_size, dtype=dtype))
   if not dense:
-    return jnp.zeros((0,), jnp.float32)
+    return jnp.zeros((0,), dtype)
   return jnp.concatenate(dense)
 
 
-@functools.partial(jax.jit, static_argnames=("size", "density", "block_size", "entries_at_once"))
-def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, block_size, entries_at_once=None):
+@functools.partial(jax.jit, static_argnames=("size", "density", "block_size", "dtype", "entries_at_once"))
+def _microadam_update(
+  indices, values, count, b1, b2, eps, *, size, density, block_size, dtype=jnp.dtype(jnp.float32), entries_at_once=None
+):
   weights = window_weights(count, b1, b2, window=indices.shape[0])
   return _update_xla(
     indices,
@@ -389,6 +399,7 @@ def _microadam_update(indices, values, count, b1, b2, eps, *, size, density, blo
     size=size,
     block_size=block_size,
     k=topk.entries_kept(block_size, density),
+    dtype=dtype,
     entries_at_once=entries_at_once,
   )
 
@@ -404,6 +415,7 @@ def microadam_update(
   size: int,
   density: float,
   block_size: int,
+  dtype: jax.typing.DTypeLike = jnp.float32,
   entries_at_once: int | None = None,
 ) -> jax.Array:
   """MicroAdam's dense update from its ring of sparse gradients.
@@ -430,13 +442,18 @@ def microadam_update(
     density: the top-k's fraction kept per block; ``K =
       topk.selection_size(size, density=density, block_size=block_size)``.
     block_size: elements per top-k block.
+    dtype: the update's float dtype, at most 32 bits (default float32).
+      The arithmetic is float32 whatever it is; a narrower one (the
+      parameters' bfloat16) rounds each direction once, where it is
+      computed, which gives the float32 update's values rounded, and halves
+      the per-index directions that wait for the parameters' update.
     entries_at_once: window entries whose directions are computed at once
       (default ``WINDOW_ENTRIES_AT_ONCE``); more go through a loop over
       chunks of blocks (the same numbers, with temporaries of a bounded
       size).
 
   Returns:
-    The float32 update, flat, of shape ``(size,)``.
+    The update in ``dtype``, flat, of shape ``(size,)``.
 
   Raises:
     ValueError: for shapes that do not match ``size``, ``density`` and
@@ -467,6 +484,12 @@ def microadam_update(
     raise ValueError(f"values must have the shape of indices {indices.shape}; got {values.shape}.")
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
+  try:
+    float_dtype = jnp.dtype(dtype)
+  except TypeError:
+    float_dtype = None
+  if float_dtype is None or not jnp.issubdtype(float_dtype, jnp.floating) or float_dtype.itemsize > 4:
+    raise ValueError(f"dtype must be a float dtype of at most 32 bits; got {dtype!r}.")
   return _microadam_update(
     indices,
     values,
@@ -477,5 +500,6 @@ def microadam_update(
     size=size,
     density=density,
     block_size=block_size,
+    dtype=float_dtype,
     entries_at_once=entries_at_once,
   )

@@ -134,6 +134,20 @@ def test_chunked_blocks_match_reference(count, seed, monkeypatch):
   chex.assert_trees_all_close(got, want, rtol=2e-6, atol=1e-7, custom_message=f"seed={seed}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("entries_at_once", [None, 2 * 4 * 11])
+def test_a_narrower_dtype_gives_the_float32_update_rounded(dtype, entries_at_once, seed):
+  # Without and with the loop over chunks of blocks (two blocks of 11 entries per row, 4 rows).
+  size, block_size, density, window = 5 * 512 + 300, 512, 0.02, 4
+  indices, values, _, _ = case_inputs(seed, size, block_size, density, window)
+  args = (jnp.asarray(indices), jnp.asarray(values), 6, 0.9, 0.999, 1e-8)
+  kwargs = dict(size=size, density=density, block_size=block_size, entries_at_once=entries_at_once)
+  got = microadam_update.microadam_update(*args, dtype=dtype, **kwargs)
+  float32 = microadam_update.microadam_update(*args, **kwargs)
+  assert got.dtype == dtype and got.shape == (size,)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(float32.astype(dtype)), err_msg=f"seed={seed}")
+
+
 def test_window_weights_wrap_ages_and_skip_unwritten_rows():
   window, b1, b2 = 3, 0.5, 0.25
   for count in range(1, 8):
@@ -181,3 +195,8 @@ def test_rejects_bad_shapes():
     microadam_update.microadam_update(ring, ring[:1], 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50)
   with pytest.raises(ValueError, match="^density must"):
     microadam_update.microadam_update(ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.0, block_size=50)
+  for dtype in (jnp.float64, jnp.int32, "float", None):
+    with pytest.raises(ValueError, match="^dtype must be a float dtype of at most 32 bits"):
+      microadam_update.microadam_update(
+        ring, ring, 1, 0.9, 0.999, 1e-8, size=100, density=0.04, block_size=50, dtype=dtype
+      )
