@@ -702,8 +702,8 @@ def requantize_unselected(
     [127.0, 383.0]
   """
   y = jnp.asarray(y)
-  quantize.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
-  stats_dtype = quantize.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
+  static_args.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
+  stats_dtype = static_args.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
   quantize.check_quantized(q, size=y.size, bits=bits, bucket_size=bucket_size)
   density, block_size = topk.check_block_params(density, block_size)
   _check_selection(indices, values, size=y.size, density=density, block_size=block_size)

@@ -190,6 +190,8 @@ def _sorted_by_index(
 
 
 _WORD = 32
+# The dtypes an update may take (the parameters' of at most 32 bits).
+UPDATE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _compact_by_index(
@@ -442,8 +444,8 @@ def microadam_update(
     density: the top-k's fraction kept per block; ``K =
       topk.selection_size(size, density=density, block_size=block_size)``.
     block_size: elements per top-k block.
-    dtype: the update's float dtype, at most 32 bits (default float32).
-      The arithmetic is float32 whatever it is; a narrower one (the
+    dtype: the update's dtype, one of :data:`UPDATE_DTYPES` (default
+      float32). The arithmetic is float32 whatever it is; a narrower one (the
       parameters' bfloat16) rounds each direction once, where it is
       computed, which gives the float32 update's values rounded, and halves
       the per-index directions that wait for the parameters' update.
@@ -484,12 +486,7 @@ def microadam_update(
     raise ValueError(f"values must have the shape of indices {indices.shape}; got {values.shape}.")
   if not jnp.issubdtype(indices.dtype, jnp.integer):
     raise ValueError(f"indices must have an integer dtype; got {indices.dtype}.")
-  try:
-    float_dtype = jnp.dtype(dtype)
-  except TypeError:
-    float_dtype = None
-  if float_dtype is None or not jnp.issubdtype(float_dtype, jnp.floating) or float_dtype.itemsize > 4:
-    raise ValueError(f"dtype must be a float dtype of at most 32 bits; got {dtype!r}.")
+  dtype = static_args.check_dtype("dtype", dtype, UPDATE_DTYPES)
   return _microadam_update(
     indices,
     values,
@@ -500,6 +497,6 @@ def microadam_update(
     size=size,
     density=density,
     block_size=block_size,
-    dtype=float_dtype,
+    dtype=dtype,
     entries_at_once=entries_at_once,
   )

@@ -96,18 +96,6 @@ def _check_size(size: Any) -> None:
   static_args.check_int("size", size, 0)
 
 
-def check_dtype(name: str, dtype: Any, allowed: tuple[np.dtype, ...]) -> np.dtype:
-  """``dtype`` as a NumPy dtype, or a ``ValueError`` naming ``name`` unless it is one of ``allowed``."""
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError:
-    dtype = None
-  if dtype not in allowed:
-    names = ", ".join(d.name for d in allowed)
-    raise ValueError(f"{name} must have one of the dtypes {names}; got {dtype}.")
-  return dtype
-
-
 def num_buckets(size: int, bucket_size: int) -> int:
   """Number of buckets of ``bucket_size`` elements that cover ``size`` elements.
 
@@ -365,8 +353,8 @@ def quantize(
   x = jnp.asarray(x)
   _check_bits(bits)
   _check_bucket_size(bucket_size)
-  check_dtype("x", x.dtype, VALUE_DTYPES)
-  stats_dtype = check_dtype("stats_dtype", stats_dtype, STATS_DTYPES)
+  static_args.check_dtype("x", x.dtype, VALUE_DTYPES)
+  stats_dtype = static_args.check_dtype("stats_dtype", stats_dtype, STATS_DTYPES)
   if x.size == 0:
     return QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype))
   return _quantize_xla(x, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype)
@@ -459,7 +447,7 @@ def dequantize(
     >>> quantize.dequantize(q, size=15, bits=8, bucket_size=64)[:3]
     Array([0.25, 0.25, 0.25], dtype=float32)
   """
-  dtype = check_dtype("dtype", dtype, VALUE_DTYPES)
+  dtype = static_args.check_dtype("dtype", dtype, VALUE_DTYPES)
   return _dequantize_flat(q, None, size=size, bits=bits, bucket_size=bucket_size, dtype=dtype)
 
 
@@ -497,7 +485,7 @@ def dequantize_add(
            [1.5, 1.5, 1.5]], dtype=float32)
   """
   y = jnp.asarray(y)
-  dtype = check_dtype("y", y.dtype, VALUE_DTYPES)
+  dtype = static_args.check_dtype("y", y.dtype, VALUE_DTYPES)
   flat = _dequantize_flat(q, y, size=y.size, bits=bits, bucket_size=bucket_size, dtype=dtype)
   return flat.reshape(y.shape)
 

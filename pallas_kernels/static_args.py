@@ -33,6 +33,18 @@ def check_static(name: str, value: Any) -> None:
     )
 
 
+def check_dtype(name: str, dtype: Any, allowed: tuple[np.dtype, ...]) -> np.dtype:
+  """``dtype`` as a NumPy dtype, or a ``ValueError`` naming ``name`` unless it is one of ``allowed``."""
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype not in allowed:
+    names = ", ".join(d.name for d in allowed)
+    raise ValueError(f"{name} must have one of the dtypes {names}; got {dtype}.")
+  return dtype
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> int:
   """``value`` as a Python ``int`` in ``[low, high]``, or a ``ValueError`` naming ``name``."""
   check_static(name, value)
