@@ -27,8 +27,9 @@ MODELS = {
 
 def params(name: str, *, abstract: bool = False, seed: int = 0):
   """The parameters of ``MODELS[name]`` as a plain dict (``ShapeDtypeStruct`` leaves if abstract)."""
-  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(MODELS[name], rngs=nnx.Rngs(seed)))[1])
-  return jax.eval_shape(build) if abstract else build()
+  if abstract:
+    return fit.abstract_transformer_params(MODELS[name])
+  return nnx.to_pure_dict(nnx.split(model.Transformer(MODELS[name], rngs=nnx.Rngs(seed)))[1])
 
 
 def gradients(params, seed: int = 1):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -170,8 +171,23 @@ def model_params(name: str, param_dtype: Any = jnp.float32) -> Any:
   """The parameters of ``MODELS[name]`` as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
   if name not in MODELS:
     raise ValueError(f"model must be one of {sorted(MODELS)}; got {name!r}.")
-  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(MODELS[name], rngs=nnx.Rngs(0)))[1])
-  return _abstract(jax.eval_shape(build), param_dtype)
+  return _abstract(abstract_transformer_params(MODELS[name]), param_dtype)
+
+
+def abstract_transformer_params(config: model.TransformerConfig) -> Any:
+  """The parameters of ``model.Transformer(config)`` as ``jax.ShapeDtypeStruct`` leaves (nothing allocated).
+
+  A new tree on every call, of a cached one: even built abstractly a
+  Llama-sized model takes seconds, and the planner, the benchmarks and the
+  tests ask for the same configurations again.
+  """
+  return jax.tree.map(lambda leaf: leaf, _abstract_transformer_params(config))
+
+
+@functools.cache
+def _abstract_transformer_params(config: model.TransformerConfig) -> Any:
+  build = lambda: nnx.to_pure_dict(nnx.split(model.Transformer(config, rngs=nnx.Rngs(0)))[1])
+  return jax.eval_shape(build)
 
 
 @dataclasses.dataclass(frozen=True)
