@@ -298,6 +298,14 @@ def test_the_convergence_tables_are_rendered_from_the_committed_results(committe
   assert convergence.render(committed) in (ROOT / "benchmarks" / "README.md").read_text()
 
 
+def test_the_large_model_fine_tunes_every_optimizer_of_the_small_models_table(committed):
+  """Every row of the small model's fine-tuning table has a finished sweep on the large model, its best rate inside."""
+  small = {row.optimizer for row in convergence.rows_of(committed, "small", "finetune")}
+  large = {row.optimizer: row for row in convergence.rows_of(committed, "large", "finetune")}
+  assert sorted(small - set(large)) == []
+  assert [name for name, row in large.items() if not row.finished or row.at_edge] == []
+
+
 def test_the_readmes_quality_column_quotes_the_results(committed):
   """ "Choosing an optimizer": each row's fine-tuning gap to AdamW, from the committed results."""
   readme = (ROOT / "README.md").read_text()
