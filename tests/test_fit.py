@@ -49,6 +49,14 @@ def test_named_llama_configs_have_the_published_shapes(llama2_7b):
   assert llama2_13b["layers"][0]["mlp"]["gate"]["kernel"].shape == (5120, 13824)
 
 
+def test_the_cached_abstract_parameters_are_a_new_tree_on_every_call():
+  config = fit.MODELS["tiny"]
+  first = fit.abstract_transformer_params(config)
+  expected = jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), first)
+  first["layers"][0]["mlp"] = None  # A caller's edit of its own tree.
+  assert jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), fit.abstract_transformer_params(config)) == expected
+
+
 def test_llama2_7b_bytes_match_arithmetic_and_nothing_is_allocated(llama2_7b):
   n = LLAMA2_7B_PARAMS
   before = live_bytes()
