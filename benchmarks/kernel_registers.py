@@ -3,11 +3,9 @@
 Each kernel's lowering example (``pallas_kernels.check_lowering``) is
 compiled, on any machine, for an H100 and for a B200 description
 (``memopt_tools.gpu_compile``): XLA compiles the program through ptxas for
-the target's architecture, as on the GPU. A Mosaic GPU kernel's own ptxas
-report is written where ``MOSAIC_GPU_DUMP_TO`` says (with
-``MOSAIC_GPU_DUMP_PTXAS=1``); a Triton kernel is compiled by XLA into the
-module's PTX, read from XLA's dump (``xla_dump_to``) and passed to the ptxas
-of ``jax[cuda12]`` with ``-v`` for the same architecture. Per kernel and
+the target's architecture, as on the GPU. A Triton kernel is compiled by XLA
+into the module's PTX, read from XLA's dump (``xla_dump_to``) and passed to
+the ptxas of ``jax[cuda12]`` with ``-v`` for the same architecture. Per kernel and
 architecture: registers per thread, and bytes of spill stores and loads per
 thread.
 
@@ -24,7 +22,6 @@ compares with the file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
@@ -32,7 +29,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any, Iterator
+from typing import Any
 
 import jax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
@@ -68,20 +65,6 @@ def _ptxas() -> pathlib.Path:
   return pathlib.Path(list(nvidia.cuda_nvcc.__path__)[0]) / "bin" / "ptxas"
 
 
-@contextlib.contextmanager
-def _mosaic_gpu_dump(directory: str) -> Iterator[None]:
-  saved = {name: os.environ.get(name) for name in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS")}
-  os.environ.update(MOSAIC_GPU_DUMP_TO=directory, MOSAIC_GPU_DUMP_PTXAS="1")
-  try:
-    yield
-  finally:
-    for name, value in saved.items():
-      if value is None:
-        os.environ.pop(name)
-      else:
-        os.environ[name] = value
-
-
 def kernel_registers(example: _backend.LoweringExample, architecture: str) -> dict[str, Any]:
   """ptxas' figures for ``example``'s kernel compiled for ``architecture`` (a key of :data:`ARCHITECTURES`).
 
@@ -92,28 +75,24 @@ def kernel_registers(example: _backend.LoweringExample, architecture: str) -> di
   sharding = SingleDeviceSharding(device)
   args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), example.args)
   with tempfile.TemporaryDirectory(prefix="kernel_registers_") as directory:
-    with _mosaic_gpu_dump(directory), _backend.cuda_lowering_context():
+    with _backend.cuda_lowering_context():
       lowered = jax.jit(example.fn).trace(*args).lower()
       lowered.compile({"xla_dump_to": directory})
-    dumped = pathlib.Path(directory)
-    if example.backend == _backend.MOSAIC_GPU_CALL:
-      reports = "\n".join(path.read_text() for path in sorted(dumped.glob("*.ptxas")))
-    else:
-      # The Triton kernel's entry in the module's PTX, by the name its custom call gives it.
-      names = set(re.findall(r'\bname = \\?"([\w.]+)', lowered.as_text()))
-      sources = [p for p in sorted(dumped.glob("*.ptx")) if any(f".entry {n}(" in p.read_text() for n in names)]
-      reports = "\n".join(
-        subprocess.run(
-          [str(_ptxas()), f"-arch={architecture}", "-v", str(p), "-o", os.devnull],
-          capture_output=True,
-          text=True,
-          check=True,
-        ).stderr
-        for p in sources
-      )
-  functions = {name: f for name, f in parse_ptxas(reports).items() if f["arch"] == architecture}
-  if example.backend != _backend.MOSAIC_GPU_CALL:
-    functions = {name: f for name, f in functions.items() if name in names}
+    # The kernel's entry in the module's PTX, by the name its custom call gives it.
+    names = set(re.findall(r'\bname = \\?"([\w.]+)', lowered.as_text()))
+    sources = [
+      p for p in sorted(pathlib.Path(directory).glob("*.ptx")) if any(f".entry {n}(" in p.read_text() for n in names)
+    ]
+    reports = "\n".join(
+      subprocess.run(
+        [str(_ptxas()), f"-arch={architecture}", "-v", str(p), "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+      ).stderr
+      for p in sources
+    )
+  functions = {name: f for name, f in parse_ptxas(reports).items() if f["arch"] == architecture and name in names}
   if len(functions) != 1:
     raise RuntimeError(f"{example.name}: expected one kernel compiled for {architecture}; found {sorted(functions)}")
   (figures,) = functions.values()
@@ -121,10 +100,10 @@ def kernel_registers(example: _backend.LoweringExample, architecture: str) -> di
 
 
 def measure(architectures: list[str]) -> dict:
-  """Every kernel's figures for ``architectures``, each in a process of its own.
+  """Every kernel's figures for ``architectures``, each architecture in a process of its own.
 
-  Mosaic GPU keeps a process's compiled kernels by their program, whatever
-  the architecture: a second compile of a kernel in one process runs no ptxas.
+  So that nothing a process keeps between compiles (JAX's and XLA's caches
+  of compiled programs and kernels) stands in for a second ptxas run.
   """
   if len(architectures) > 1:
     results: dict[str, Any] = {"jax": jax.__version__, "kernels": {}}
@@ -138,7 +117,7 @@ def measure(architectures: list[str]) -> dict:
   (architecture,) = architectures
   results = {"jax": jax.__version__, "kernels": {}}
   for example in check_lowering.kernel_examples():
-    backend = "Triton" if example.backend == _backend.TRITON_CALL else "Mosaic GPU"
+    backend = {_backend.TRITON_CALL: "Triton"}[example.backend]
     figures = kernel_registers(example, architecture)
     results["kernels"][example.name] = {"backend": backend, architecture: figures}
     print(f"{example.name} {architecture}: {json.dumps(figures)}", file=sys.stderr, flush=True)

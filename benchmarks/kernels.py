@@ -1,11 +1,11 @@
 """Every Pallas kernel against its XLA path: same answer, and how fast.
 
-The kernels the optimizers' steps run on a Hopper GPU by default: MicroAdam's
-two (``pallas_kernels.error_feedback``), at its defaults (4-bit error
-feedback in buckets of 1024, top-k blocks of 16384 at density 0.01):
-``feedback_topk`` (Triton: the gradient plus the decoded error, its block
-top-k) and ``requantize_unselected`` (Mosaic GPU: the error feedback with
-the selection zeroed, re-encoded in place).
+The kernel the optimizers' steps run on a Hopper GPU by default: MicroAdam's
+``error_feedback.feedback_step`` (Triton: the gradient plus the decoded
+error, its block top-k, and the error with the selection zeroed,
+re-encoded in place), at MicroAdam's defaults (4-bit error feedback in
+buckets of 1024 with bfloat16 statistics, top-k blocks of 16384 at density
+0.01).
 
 On a GPU this is the readiness check: each op runs with
 ``implementation="pallas"`` and ``"xla"`` on the same inputs at realistic
@@ -45,7 +45,7 @@ BITS = 4
 BUCKET = 1024
 BLOCK = 16384
 DENSITY = 0.01
-# What both error-feedback ops take, at those defaults.
+# What the error-feedback op takes, at those defaults.
 _FEEDBACK = dict(density=DENSITY, block_size=BLOCK, bits=BITS, bucket_size=BUCKET)
 
 
@@ -77,32 +77,16 @@ def _statistics_bytes(n: int) -> int:
   return 4 * quantize.num_buckets(n, BUCKET)
 
 
-def _select(q, y, implementation):
-  return error_feedback.feedback_topk(q, y, **_FEEDBACK, implementation=implementation)
-
-
-def _with_selection(key, n):
-  q, y = _error_and_gradient(key, n)
-  return (q, y, *_select(q, y, "xla"))
-
-
 def _cases() -> list[KernelCase]:
   codes = lambda n: n * BITS // 8
   return [
     KernelCase(
-      "feedback_topk",
+      "feedback_step",
       _error_and_gradient,
-      _select,
-      # Reads the gradient, the codes and statistics; writes the selection.
-      lambda n: 4 * n + codes(n) + _statistics_bytes(n) + _selection_bytes(n),
-    ),
-    KernelCase(
-      "requantize_unselected",
-      _with_selection,
-      lambda q, y, indices, values, implementation: error_feedback.requantize_unselected(
-        q, y, indices, values, **_FEEDBACK, stats_dtype=jnp.bfloat16, implementation=implementation
+      lambda q, y, implementation: error_feedback.feedback_step(
+        q, y, **_FEEDBACK, stats_dtype=jnp.bfloat16, implementation=implementation
       ),
-      # Reads the gradient, the selection, the codes and statistics; writes new codes and statistics.
+      # Reads the gradient, the codes and statistics; writes the selection, new codes and statistics.
       lambda n: 4 * n + _selection_bytes(n) + 2 * (codes(n) + _statistics_bytes(n)),
     ),
   ]

@@ -9,10 +9,11 @@ memory-bound, so two figures of that program say what a user gets:
 
 * **bytes moved**: every top-level fusion, custom call and other operation
   of the optimized entry computation reads its operands and writes its
-  results once (parameters, constants, tuples, get-tuple-element, bitcasts
-  and the second half of an asynchronous pair move nothing; a while loop's
-  body counts once per trip). Where a fusion touches part of an operand, it
-  counts that part: a slice reads the slice, and an in-place
+  results once (parameters, constants, tuples, get-tuple-element, bitcasts,
+  uninitialized buffers (``AllocateBuffer``) and the second half of an
+  asynchronous pair move nothing; a while loop's body counts once per
+  trip). Where a fusion touches part of an operand, it counts that part: a
+  slice reads the slice, and an in-place
   dynamic-update-slice or scatter writes its update's size. An upper bound
   for other operations that read part of an operand (a gather), a lower
   bound for a custom call that reads its input twice. ``optax.adamw`` on
@@ -130,6 +131,8 @@ _FREE = {
   "replica-id",
   "opt-barrier",
 }
+# An uninitialized buffer (``jax.lax.empty`` on a GPU): allocated, nothing written.
+_UNINITIALIZED = 'custom_call_target="AllocateBuffer"'
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLED = re.compile(r"\b(?:body|calls|to_apply|condition)=%?([\w.\-]+)")
 
@@ -297,7 +300,7 @@ def bytes_moved(hlo: str, branch: Callable[[list[float]], float] = max) -> float
     shapes: dict[str, str] = {}
     total = 0.0
     for line, result, shape, opcode, operands in _instructions(bodies[name], shapes):
-      if opcode in _FREE or opcode.endswith("-done"):
+      if opcode in _FREE or opcode.endswith("-done") or _UNINITIALIZED in line:
         continue
       if opcode == "while":
         body = re.search(r"\bbody=%?([\w.\-]+)", line).group(1)

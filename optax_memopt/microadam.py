@@ -79,13 +79,13 @@ def _check_hyperparameters(
   dispatch.check(implementation)
   if implementation in ("pallas", "interpret") and (block_size < quantize.ROW or block_size & (block_size - 1)):
     raise ValueError(
-      f"block_size must be a power of two of at least {quantize.ROW} for the Pallas top-k kernel (Triton's block"
-      f" shapes); got {block_size}. Use implementation='xla' for other block sizes."
+      f"block_size must be a power of two of at least {quantize.ROW} for the Pallas error-feedback kernel (Triton's"
+      f" block shapes); got {block_size}. Use implementation='xla' for other block sizes."
     )
-  if implementation in ("pallas", "interpret") and (bucket_size % quantize.ROW or block_size % bucket_size):
+  if implementation in ("pallas", "interpret") and (bucket_size & (bucket_size - 1) or block_size % bucket_size):
     raise ValueError(
-      f"bucket_size must be a multiple of {quantize.ROW} dividing block_size for the Pallas error-feedback kernel;"
-      f" got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
+      f"bucket_size must be a power of two dividing block_size for the Pallas error-feedback kernel (Triton's block"
+      f" shapes); got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
     )
   return window, density, block_size, bucket_size
 
@@ -164,7 +164,7 @@ def _block_local_step(
     ring = NamedSharding(mesh, PartitionSpec(None, axes))
     scalar = NamedSharding(mesh, PartitionSpec())
     results = (flat, ring, ring, flat, flat, flat)
-    return mesh, sharding.without_internal_refs(local_step), results, (*results, *(scalar,) * len(scalars))
+    return mesh, local_step, results, (*results, *(scalar,) * len(scalars))
 
   def infer(mesh, arg_shapes, result_shape):
     return partition(mesh, arg_shapes, result_shape)[2]
@@ -263,9 +263,10 @@ def scale_by_microadam(
     window: number of sparse gradients kept (``m``), ``>= 1``.
     density: fraction of each block kept by top-k, in ``(0, 1]``.
     block_size: elements per top-k block, in ``[1, 32768]``; the Pallas
-      top-k kernel needs a power of two ``>= 256``.
+      error-feedback kernel needs a power of two ``>= 256``.
     bucket_size: elements per min/max statistic of the error feedback: a
-      positive multiple of 256, or 32, 64 or 128.
+      positive multiple of 256, or 32, 64 or 128; the Pallas error-feedback
+      kernel needs a power of two dividing ``block_size``.
     implementation: ``None`` (each op's default for the device,
       ``pallas_kernels.dispatch``), ``"xla"``, ``"pallas"`` or
       ``"interpret"``; passed to every op.
@@ -335,26 +336,12 @@ def scale_by_microadam(
       """The step of one flat tensor (or of a shard of whole blocks of it): its direction and state."""
       error = quantize.QuantizedArray(codes, minimum, maximum)
       ring_row = (count - 1) % window
-      # Error feedback a = g + dequant(e), and the block top-k of |a|, which
-      # goes to this step's ring row.
-      selected, kept = error_feedback.feedback_topk(
+      # Error feedback a = g + dequant(e), the block top-k of |a|, which goes
+      # to this step's ring row, and what top-k left out (a with a[I] = 0), the
+      # next error in 4 bits.
+      selected, kept, error = error_feedback.feedback_step(
         error,
         gradient,
-        density=density,
-        block_size=block_size,
-        bits=ERROR_BITS,
-        bucket_size=bucket_size,
-        implementation=implementation,
-      )
-      indices = indices.at[ring_row].set(selected)
-      values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
-      # What top-k left out is the next error, in 4 bits: a (recomputed from
-      # g and e, not read back) with a[I] = 0.
-      error = error_feedback.requantize_unselected(
-        error,
-        gradient,
-        selected,
-        kept,
         density=density,
         block_size=block_size,
         bits=ERROR_BITS,
@@ -362,6 +349,8 @@ def scale_by_microadam(
         stats_dtype=jnp.bfloat16,
         implementation=implementation,
       )
+      indices = indices.at[ring_row].set(selected)
+      values = values.at[ring_row].set(kept.astype(jnp.bfloat16))
       # M and S from the window, and the direction c1 M / (sqrt(c2 S) + eps).
       direction = microadam_update.microadam_update(
         indices,

@@ -469,26 +469,6 @@ def _split_explicit_axes(mesh: Any) -> tuple[str, ...]:
 PARTITIONS_KERNEL_STEPS = jax.__version_info__[:2] <= (0, 10)
 
 
-def without_internal_refs(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` with the refs it creates inside (the in-place Mosaic GPU kernels' operands) turned into values.
-
-  For the function a ``custom_partitioning`` partition returns: ``jax.jit``
-  lowers such refs, but JAX 0.10's ``custom_partitioning`` lowers a
-  partition's function without doing so (it refuses the refs' effect), so the
-  function is handed over already discharged.
-  """
-  from jax._src.state.discharge import discharge_state
-
-  def discharged(*args):
-    closed = discharge_state(jax.make_jaxpr(fn)(*args))
-    return jax.tree.unflatten(
-      jax.tree.structure(jax.eval_shape(fn, *args)),
-      jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args)),
-    )
-
-  return discharged
-
-
 def typed_like_inputs(update_fn: Callable[..., Any]) -> Callable[..., Any]:
   """Lets an ``update_fn`` run on arrays sharded over explicit mesh axes.
 

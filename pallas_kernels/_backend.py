@@ -1,6 +1,6 @@
-"""Helpers every Mosaic GPU kernel of the package shares: building a kernel,
-running it in the interpreter, and lowering it for CUDA on any machine, the
-same way on every supported JAX version."""
+"""Helpers the package's kernels share: lowering them for CUDA on any machine,
+the same way on every supported JAX version, and the lowering examples that
+``check_lowering`` lowers."""
 
 from __future__ import annotations
 
@@ -8,84 +8,6 @@ import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
-
-
-def gpu_interpreter() -> Any:
-  """Parameters that run a ``plgpu.kernel`` in the Mosaic GPU interpreter.
-
-  Plain ``interpret=True`` cannot bind the grid's axis names; the Mosaic GPU
-  interpreter can, and checks for races. It lives in a private module of JAX,
-  imported here only.
-  """
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  except ImportError as e:  # pragma: no cover - depends on the JAX version.
-    raise RuntimeError(
-      "implementation='interpret' needs the Mosaic GPU interpreter"
-      " (jax._src.pallas.mosaic_gpu.interpret), which this JAX"
-      f" {jax.__version__} does not provide."
-    ) from e
-  return InterpretGPUParams()
-
-
-def mosaic_gpu_kernel(
-  body: Callable[..., None],
-  *,
-  out_type: Any,
-  grid: tuple[int, ...],
-  grid_names: tuple[str, ...],
-  interpret: bool,
-  scratch_types: Any = (),
-  in_place: tuple[int, ...] = (),
-) -> Callable[..., Any]:
-  """``plgpu.kernel``, lowered for Mosaic GPU or run by its interpreter.
-
-  ``in_place`` lists operands the kernel overwrites: the body gets each one's
-  ref again as an output, before ``out_type``'s, and the call returns their
-  new values first (``out_type`` must then be a tuple). Compiled, they are
-  passed as ``jax.Ref`` s, which the custom call updates in the operand's
-  buffer (no copy where the operand is donated); the interpreter, which
-  takes no refs, writes them to new arrays, the body being the same.
-  """
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  if not in_place:
-    return plgpu.kernel(
-      body,
-      out_type=out_type,
-      scratch_types=scratch_types,
-      grid=grid,
-      grid_names=grid_names,
-      interpret=gpu_interpreter() if interpret else None,
-    )
-
-  def call(*operands):
-    if interpret:
-      overwritten = tuple(jax.ShapeDtypeStruct(operands[i].shape, operands[i].dtype) for i in in_place)
-      return mosaic_gpu_kernel(
-        body,
-        out_type=overwritten + tuple(out_type),
-        grid=grid,
-        grid_names=grid_names,
-        interpret=True,
-        scratch_types=scratch_types,
-      )(*operands)
-    refs = [jax.new_ref(x) if i in in_place else x for i, x in enumerate(operands)]
-
-    def aliased_body(*kernel_refs):
-      inputs = kernel_refs[: len(operands)]
-      return body(*inputs, *(inputs[i] for i in in_place), *kernel_refs[len(operands) :])
-
-    outputs = pl.kernel(
-      aliased_body,
-      out_type=tuple(out_type),
-      mesh=plgpu.Mesh(grid=grid, grid_names=grid_names),
-      scratch_types=scratch_types,
-    )(*refs)
-    return (*(jax.freeze(refs[i]) for i in in_place), *outputs)
-
-  return call
 
 
 def cuda_lowering_context() -> contextlib.AbstractContextManager[Any]:
@@ -109,7 +31,6 @@ def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
   return lowered.as_text()
 
 
-MOSAIC_GPU_CALL = "mosaic_gpu"
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
@@ -121,6 +42,6 @@ class LoweringExample(NamedTuple):
   """
 
   name: str
-  backend: str  # MOSAIC_GPU_CALL or TRITON_CALL: the custom call to expect in the lowered program.
+  backend: str  # TRITON_CALL: the custom call to expect in the lowered program.
   fn: Callable[..., Any]
   args: tuple[Any, ...]

@@ -184,7 +184,10 @@ def _sorted_by_index(
   row = lax.broadcasted_iota(jnp.int32, local.shape, 1) // (local.shape[1] // window)
   if block_size << shift <= jnp.iinfo(jnp.int32).max:
     bits = jnp.asarray(shift, local.dtype)  # lax's shifts take no Python int (an int64 one with x64 enabled).
-    key, values = lax.sort((lax.shift_left(local, bits) | row.astype(local.dtype), values), dimension=1, num_keys=1)
+    # Unique keys: no stability asked for, which XLA would buy with an iota operand sorted along.
+    key, values = lax.sort(
+      (lax.shift_left(local, bits) | row.astype(local.dtype), values), dimension=1, num_keys=1, is_stable=False
+    )
     return lax.shift_right_logical(key, bits), key & ((1 << shift) - 1), values
   return lax.sort((local, row, values), dimension=1, num_keys=1, is_stable=True)
 
@@ -321,10 +324,10 @@ def _dense_update(
   """The flat dense update of ``n_blocks`` blocks of ``width`` elements from their ring columns.
 
   ``ring`` is ``(indices, values)``, ``[window, n_blocks * keep]`` each.
-  More than ``entries_at_once`` entries go through a loop over chunks
-  of blocks of one size, the last ending at the last block. The compacted
-  directions, which wait for the parameters' update that reads them, are
-  stored in ``dtype``.
+  More than ``entries_at_once`` entries go through a loop over chunks of
+  blocks of one size, and the blocks left over after the loop's last chunk
+  through one more, shorter. The compacted directions, which wait for the
+  parameters' update that reads them, are stored in ``dtype``.
   """
   window, n_columns = ring[0].shape
   keep = n_columns // n_blocks
@@ -333,6 +336,7 @@ def _dense_update(
     entries_at_once = WINDOW_ENTRIES_AT_ONCE
   n_chunks = -(-n_blocks // max(1, entries_at_once // n_entries))
   chunk = -(-n_blocks // n_chunks)
+  looped, left = divmod(n_blocks, chunk)
 
   def chunk_directions(first_block, count, buffers):
     ring_blocks = [
@@ -340,20 +344,16 @@ def _dense_update(
     ]
     return _block_directions(*ring_blocks, weights, eps, first_block, buffers, block_size=block_size, width=width)
 
-  def loop_chunk(c, buffers):
-    # Chunks of one size; the last ends at the last block, and the bitmap
-    # words of the blocks it takes again are cleared before their bits are added.
-    first_block = jnp.minimum(c * chunk, n_blocks - chunk)
-    directions, bitmap = buffers
-    cleared = jnp.zeros((chunk * words,), bitmap.dtype)
-    bitmap = lax.dynamic_update_slice_in_dim(bitmap, cleared, first_block * words, 0)
-    return chunk_directions(first_block, chunk, (directions, bitmap))
-
-  buffers = (jnp.zeros((n_blocks * n_entries + 1,), dtype), jnp.zeros((n_blocks * words,), jnp.uint32))
-  if n_chunks == 1:
-    buffers = chunk_directions(0, n_blocks, buffers)
+  # Only the last direction, which absent elements read, needs a value before
+  # the chunks write theirs: the slots past a block's distinct indices are never read.
+  directions = lax.empty((n_blocks * n_entries + 1,), dtype).at[-1].set(0)
+  buffers = (directions, jnp.zeros((n_blocks * words,), jnp.uint32))
+  if looped == 1:
+    buffers = chunk_directions(0, chunk, buffers)
   else:
-    buffers = lax.fori_loop(0, n_chunks, loop_chunk, buffers)
+    buffers = lax.fori_loop(0, looped, lambda c, b: chunk_directions(c * chunk, chunk, b), buffers)
+  if left:
+    buffers = chunk_directions(looped * chunk, left, buffers)
   directions, bitmap = buffers
   return _read_dense(directions, bitmap.reshape(n_blocks, words), _rank_offsets(bitmap, words), width).reshape(-1)
 

@@ -155,9 +155,17 @@ def inverse_step(step: jax.Array) -> jax.Array:
   return jnp.where(step >= _SMALLEST_NORMAL_STEP, 1.0 / safe_step, 0.0)
 
 
+def round_half_to_even(x: jax.Array) -> jax.Array:
+  """``jnp.round`` of float32 ``x`` (ties to even) from floors, which Triton lowers and rounding it does not."""
+  floor = jnp.floor(x)
+  fraction = x - floor
+  odd = floor - 2 * jnp.floor(floor * 0.5) == 1
+  return jnp.where((fraction > 0.5) | ((fraction == 0.5) & odd), floor + 1, floor)
+
+
 def encode(values: jax.Array, minimum: jax.Array, inverse_step: jax.Array, bits: int) -> jax.Array:
   """Codes as float32 integers in ``[0, 2**bits - 1]``."""
-  return jnp.clip(jnp.round((values - minimum) * inverse_step), 0, _levels(bits))
+  return jnp.clip(round_half_to_even((values - minimum) * inverse_step), 0, _levels(bits))
 
 
 def decode(codes: jax.Array, minimum: jax.Array, step: jax.Array) -> jax.Array:

@@ -30,20 +30,20 @@ def _constant_returned(text):
 @pytest.mark.parametrize("bad", ["cuda", "Pallas", 1, ""])
 def test_unknown_implementation_is_refused_by_name(bad):
   with pytest.raises(ValueError, match=r"implementation must be one of None, 'xla', 'pallas' or 'interpret'"):
-    dispatch.run("requantize_unselected", bad, _path)
+    dispatch.run("feedback_step", bad, _path)
 
 
 @pytest.mark.parametrize("op", sorted(dispatch.FASTER_ON_HOPPER))
 @pytest.mark.parametrize("named", ["xla", "pallas", "interpret"])
 def test_a_named_implementation_is_honoured_on_any_platform(monkeypatch, op, named):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
   for platform in ("cpu", "cuda"):
     assert _constant_returned(_lowered(op, named, platform)) == named
 
 
 def test_none_is_decided_by_the_platform_lowered_for(monkeypatch):
   """Lowered from this CPU process: the CUDA program takes the table's choice, the CPU program XLA."""
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
   on_cuda = {op: _constant_returned(_lowered(op, None, "cuda")) for op in dispatch.FASTER_ON_HOPPER}
   on_cpu = {op: _constant_returned(_lowered(op, None, "cpu")) for op in dispatch.FASTER_ON_HOPPER}
   assert on_cpu == dict.fromkeys(dispatch.FASTER_ON_HOPPER, "xla")
@@ -51,7 +51,7 @@ def test_none_is_decided_by_the_platform_lowered_for(monkeypatch):
 
 
 def test_none_takes_xla_for_a_gpu_older_than_hopper(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: False)
   assert {op: _constant_returned(_lowered(op, None, "cuda")) for op in dispatch.FASTER_ON_HOPPER} == dict.fromkeys(
     dispatch.FASTER_ON_HOPPER, "xla"
   )
@@ -67,31 +67,27 @@ class _FakeGpu:
 )
 def test_the_process_cuda_devices_decide_the_generation(monkeypatch, capabilities, runs):
   monkeypatch.setattr(jax, "devices", lambda backend=None: [_FakeGpu(c) for c in capabilities])
-  assert dispatch.cuda_target_runs_mosaic_gpu() == runs
+  assert dispatch.cuda_target_is_hopper_or_newer() == runs
 
 
 def test_a_process_without_cuda_devices_targets_hopper():
   """This CPU machine lowering for CUDA, or compiling for an H100 target description."""
   with pytest.raises(RuntimeError):
     jax.devices("cuda")
-  assert dispatch.cuda_target_runs_mosaic_gpu()
+  assert dispatch.cuda_target_is_hopper_or_newer()
 
 
 def test_a_kernel_that_cannot_take_the_arguments_raises_when_named_and_is_skipped_by_none(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
   reason = "block_size must be a multiple of 256 for the Pallas kernel; got 100."
   for named in ("pallas", "interpret"):
     with pytest.raises(ValueError, match="multiple of 256"):
-      dispatch.run("requantize_unselected", named, _path, unsupported=reason)
+      dispatch.run("feedback_step", named, _path, unsupported=reason)
   assert (
-    _constant_returned(
-      _backend.lower_for_cuda(lambda: dispatch.run("requantize_unselected", None, _path, unsupported=reason))
-    )
+    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("feedback_step", None, _path, unsupported=reason)))
     == "xla"
   )
   assert (
-    _constant_returned(
-      _backend.lower_for_cuda(lambda: dispatch.run("requantize_unselected", "xla", _path, unsupported=reason))
-    )
+    _constant_returned(_backend.lower_for_cuda(lambda: dispatch.run("feedback_step", "xla", _path, unsupported=reason)))
     == "xla"
   )

@@ -1,13 +1,14 @@
 """MicroAdam's error feedback (``pallas_kernels.error_feedback``).
 
-``feedback_topk``, the block top-k of ``y + dequantize(q)``: the reference
-against numpy (decoding and ranking re-derived), the XLA path and the Triton
-kernel (Pallas' interpreter) against the reference exactly, argument errors,
-and the automatic choice of implementation on a (faked) Hopper GPU.
-``requantize_unselected``: the Mosaic GPU kernel (in the GPU interpreter)
-against the XLA path bit for bit and both against the references, and both
-zeroing a selection's positions whatever its values. ``zero_selected``
-against a numpy scatter of zeros. The old import paths warn."""
+``feedback_step``, the selection and the re-encoded error in one op: the
+Triton kernel (Pallas' interpreter) against the XLA path bit for bit and
+both against the references, argument errors, and the automatic choice of
+implementation on a (faked) Hopper GPU. Its XLA path's two halves:
+``feedback_topk``, the block top-k of ``y + dequantize(q)``, against its
+reference and the reference against numpy (decoding and ranking
+re-derived); ``requantize_unselected`` against the references, zeroing a
+selection's positions whatever its values. ``zero_selected`` against a
+numpy scatter of zeros. The old import paths warn."""
 
 from __future__ import annotations
 
@@ -72,18 +73,51 @@ CASES = [
 ]
 
 
+def expected_step(q, y, **kwargs):
+  """The references composed: ``feedback_topk_reference``'s selection, then ``quantize_reference`` of ``a`` without it.
+
+  Jitted, as the implementations are: XLA may contract min + q s into one fma.
+  """
+  return jax.jit(functools.partial(error_feedback.feedback_step_reference, **kwargs))(q, y)
+
+
+def assert_step_equals(got, want, bits, message):
+  """``feedback_step``'s result against ``feedback_step_reference``'s (the error unpacked), bit for bit."""
+  indices, values, error = got
+  assert indices.dtype == jnp.int16 and values.dtype == jnp.float32
+  np.testing.assert_array_equal(indices, want[0], err_msg=message)
+  np.testing.assert_array_equal(values, want[1], err_msg=message)
+  codes, minimum, maximum = want[2]
+  np.testing.assert_array_equal(
+    packing.unpack(error.codes, codes.size, base=2**bits, planes=8 // bits), codes, err_msg=message
+  )
+  np.testing.assert_array_equal(error.minimum.astype(jnp.float32), minimum, err_msg=message)
+  np.testing.assert_array_equal(error.maximum.astype(jnp.float32), maximum, err_msg=message)
+
+
 @pytest.mark.parametrize("size, block_size, bucket_size, bits, dtype", CASES)
 @pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-def test_implementations_equal_the_reference(size, block_size, bucket_size, bits, dtype, kind, implementation, seed):
+def test_feedback_topk_equals_the_reference(size, block_size, bucket_size, bits, dtype, kind, seed):
   q, y = draw(kind, size, dtype, bits, bucket_size, seed)
   kwargs = dict(density=0.05, block_size=block_size, bits=bits, bucket_size=bucket_size)
-  # Jitted, as the implementations are: XLA may contract min + q s into one fma.
   expected = jax.jit(functools.partial(error_feedback.feedback_topk_reference, **kwargs))(q, y)
-  indices, values = error_feedback.feedback_topk(q, y, implementation=implementation, **kwargs)
+  indices, values = error_feedback.feedback_topk(q, y, **kwargs)
   assert indices.dtype == jnp.int16 and values.dtype == jnp.float32
   np.testing.assert_array_equal(indices, expected[0], err_msg=f"seed={seed}")
   np.testing.assert_array_equal(values, expected[1], err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("size, block_size, bucket_size, bits, dtype", CASES)
+@pytest.mark.parametrize("kind", ["normal", "integers", "sparse", "special"])
+def test_feedback_step_kernel_equals_xla_and_the_references(size, block_size, bucket_size, bits, dtype, kind, seed):
+  q, y = draw(kind, size, dtype, bits, bucket_size, seed)
+  kwargs = dict(density=0.05, block_size=block_size, bits=bits, bucket_size=bucket_size, stats_dtype=jnp.bfloat16)
+  results = {
+    implementation: error_feedback.feedback_step(q, y, implementation=implementation, **kwargs)
+    for implementation in ("xla", "interpret")
+  }
+  chex.assert_trees_all_equal(results["interpret"], results["xla"], custom_message=f"seed={seed}")
+  assert_step_equals(results["xla"], expected_step(q, y, **kwargs), bits, f"seed={seed}")
 
 
 @pytest.mark.parametrize(
@@ -104,20 +138,23 @@ def test_ties_at_the_threshold_take_the_lowest_indices():
   q = quantize.quantize(jnp.zeros(512), bits=4, bucket_size=256)
   y = jnp.where(jnp.arange(512) % 2 == 0, 1.0, -1.0)
   for implementation in ("xla", "interpret"):
-    indices, values = error_feedback.feedback_topk(
+    indices, values, error = error_feedback.feedback_step(
       q, y, density=0.02, block_size=256, bucket_size=256, implementation=implementation
     )
     np.testing.assert_array_equal(indices, np.tile(np.arange(6), 2))
     np.testing.assert_array_equal(values, np.tile([1.0, -1.0], 6))
+    # What is left is the block from its seventh entry on, -1 and 1 alternating.
+    np.testing.assert_array_equal(error.minimum, [-1.0, -1.0])
+    np.testing.assert_array_equal(error.maximum, [1.0, 1.0])
 
 
 @pytest.mark.parametrize("implementation", [None, "xla", "interpret"])
 def test_an_empty_input_gives_an_empty_selection(implementation):
   q = quantize.quantize(jnp.zeros((0, 4)), bits=4, bucket_size=256)
-  indices, values = error_feedback.feedback_topk(
+  indices, values, error = error_feedback.feedback_step(
     q, jnp.zeros((0, 4)), density=0.05, block_size=256, bucket_size=256, implementation=implementation
   )
-  assert indices.shape == values.shape == (0,)
+  assert indices.shape == values.shape == error.codes.shape == error.minimum.shape == (0,)
 
 
 @pytest.mark.parametrize(
@@ -133,9 +170,9 @@ def test_what_the_kernel_cannot_do_names_the_argument(kwargs, argument):
   settings = dict(density=0.05, block_size=1024, bucket_size=256) | kwargs
   q = quantize.quantize(jnp.zeros(3072), bits=4, bucket_size=settings["bucket_size"])
   with pytest.raises(ValueError, match=argument):
-    error_feedback.feedback_topk(q, jnp.zeros(3072), implementation="pallas", **settings)
+    error_feedback.feedback_step(q, jnp.zeros(3072), implementation="pallas", **settings)
   # The default takes XLA for what the kernel lacks.
-  indices, _ = error_feedback.feedback_topk(q, jnp.zeros(3072), **settings)
+  indices, _, _ = error_feedback.feedback_step(q, jnp.zeros(3072), **settings)
   expected = topk.selection_size(3072, density=0.05, block_size=settings["block_size"])
   assert indices.shape == (expected,)
 
@@ -152,14 +189,24 @@ def test_what_the_kernel_cannot_do_names_the_argument(kwargs, argument):
 def test_bad_arguments_name_themselves(change, argument):
   q = quantize.quantize(jnp.zeros(1024), bits=4, bucket_size=256)
   kwargs = dict(density=0.05, block_size=256, bits=4, bucket_size=256) | change
-  with pytest.raises(ValueError, match=argument):
-    error_feedback.feedback_topk(q, jnp.zeros(1024), **kwargs)
+  for op in (error_feedback.feedback_step, error_feedback.feedback_topk):
+    with pytest.raises(ValueError, match=argument):
+      op(q, jnp.zeros(1024), **kwargs)
+  with pytest.raises(ValueError, match="stats_dtype"):
+    error_feedback.feedback_step(
+      q, jnp.zeros(1024), density=0.05, block_size=256, bucket_size=256, stats_dtype=jnp.int8
+    )
+  with pytest.raises(ValueError, match="implementation"):
+    error_feedback.feedback_step(
+      q, jnp.zeros(1024), density=0.05, block_size=256, bucket_size=256, implementation="gpu"
+    )
 
 
 def test_a_quantized_array_of_another_size_is_refused():
   q = quantize.quantize(jnp.zeros(1024), bits=4, bucket_size=256)
-  with pytest.raises(ValueError, match="q does not match size=2048"):
-    error_feedback.feedback_topk(q, jnp.zeros(2048), density=0.05, block_size=256, bucket_size=256)
+  for op in (error_feedback.feedback_step, error_feedback.feedback_topk):
+    with pytest.raises(ValueError, match="q does not match size=2048"):
+      op(q, jnp.zeros(2048), density=0.05, block_size=256, bucket_size=256)
 
 
 def lowered(block_size: int) -> str:
@@ -169,22 +216,22 @@ def lowered(block_size: int) -> str:
     jax.ShapeDtypeStruct((size // 256,), jnp.bfloat16),
     jax.ShapeDtypeStruct((size // 256,), jnp.bfloat16),
   )
-  fn = functools.partial(error_feedback.feedback_topk, density=0.01, block_size=block_size, bucket_size=256)
+  fn = functools.partial(error_feedback.feedback_step, density=0.01, block_size=block_size, bucket_size=256)
   return _backend.lower_for_cuda(fn, q, jax.ShapeDtypeStruct((size,), jnp.float32))
 
 
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_auto_on_hopper_runs_the_path_the_table_names(monkeypatch, kernel_faster):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "feedback_topk", kernel_faster)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "feedback_step", kernel_faster)
   assert (_backend.TRITON_CALL in lowered(1024)) == kernel_faster
   # And for a block size the kernel lacks, XLA, whatever the table says.
   assert _backend.TRITON_CALL not in lowered(768)
 
 
 def test_auto_off_hopper_runs_xla(monkeypatch):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: False)
-  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "feedback_topk", True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: False)
+  monkeypatch.setitem(dispatch.FASTER_ON_HOPPER, "feedback_step", True)
   assert _backend.TRITON_CALL not in lowered(1024)
 
 
@@ -201,13 +248,12 @@ REQUANTIZE_CASES = [
 
 @pytest.mark.parametrize("shape,dtype,bits,bucket_size,block_size,density,stats_dtype", REQUANTIZE_CASES)
 @pytest.mark.parametrize("error", ["random", "zero"])
-def test_requantize_unselected_kernel_equals_xla_and_the_reference(
+def test_feedback_step_re_encodes_what_its_selection_left(
   shape, dtype, bits, bucket_size, block_size, density, stats_dtype, error, seed
 ):
-  """The kernel in the interpreter against XLA bit for bit, and both against the references:
-  top-k of ``y + dequantize(q)`` zeroed, quantized. With a zero error ``x = y``
-  holds runs of equal magnitudes, so each block's selection ends inside a
-  run of ties at its threshold."""
+  """The kernel in the interpreter against XLA bit for bit, XLA against its two halves, and both against the
+  references: top-k of ``y + dequantize(q)`` zeroed, quantized. With a zero error ``x = y`` holds runs of
+  equal magnitudes, so each block's selection ends inside a run of ties at its threshold."""
   message = f"seed={seed}"
   rng = np.random.default_rng(seed)
   size = math.prod(shape)
@@ -215,75 +261,32 @@ def test_requantize_unselected_kernel_equals_xla_and_the_reference(
   e = np.array(draw_quantizer_input((size,), jnp.float32, bucket_size, seed)) if error == "random" else np.zeros(size)
   y = rng.standard_normal(size)
   y[rng.random(size) < 0.3] = -1.5  # ties: more than k of them in every block
-  # The short last bucket's error decodes far below its x (where the kernel's
-  # padding, decoded as the old minimum, would widen the bucket's range).
+  # The short last bucket's error decodes far below its x (where padding,
+  # decoded as the old minimum, would widen the bucket's range).
   last = size - size % bucket_size
   e[last:] = np.where(e[last:] == 0, 0, -50 - rng.random(size - last))
   y[last:] += np.where(e[last:] == 0, 0, 100)
   q = quantize.quantize(jnp.asarray(e, jnp.float32), stats_dtype=stats_dtype, **kwargs)
   y = jnp.asarray(y.reshape(shape), dtype)
-  x = quantize.dequantize_add(q, y.astype(jnp.float32), **kwargs).reshape(-1)
-  indices, values = topk.block_topk(x, density=density, block_size=block_size)
   selection = dict(density=density, block_size=block_size)
   results = {
-    implementation: error_feedback.requantize_unselected(
-      q, y, indices, values, **selection, stats_dtype=stats_dtype, implementation=implementation, **kwargs
+    implementation: error_feedback.feedback_step(
+      q, y, **selection, stats_dtype=stats_dtype, implementation=implementation, **kwargs
     )
     for implementation in ("xla", "interpret")
   }
-  for field in quantize.QuantizedArray._fields:
-    np.testing.assert_array_equal(
-      getattr(results["interpret"], field), getattr(results["xla"], field), err_msg=f"{field} {message}"
-    )
-  reference_indices, _ = topk.block_topk_reference(x, **selection)
-  block = np.arange(indices.size) // topk.entries_kept(block_size, density)
-  zeroed = np.asarray(x).copy()
-  zeroed[block * block_size + np.asarray(reference_indices, np.int64)] = 0.0
-  codes, minimum, maximum = quantize.quantize_reference(jnp.asarray(zeroed), stats_dtype=stats_dtype, **kwargs)
-  np.testing.assert_array_equal(
-    packing.unpack(results["xla"].codes, size, base=2**bits, planes=8 // bits), codes, err_msg=message
+  chex.assert_trees_all_equal(results["interpret"], results["xla"], custom_message=message)
+  indices, values = error_feedback.feedback_topk(q, y, **selection, **kwargs)
+  halves = (
+    indices,
+    values,
+    error_feedback.requantize_unselected(q, y, indices, values, **selection, stats_dtype=stats_dtype, **kwargs),
   )
-  np.testing.assert_array_equal(results["xla"].minimum.astype(jnp.float32), minimum, err_msg=message)
-  np.testing.assert_array_equal(results["xla"].maximum.astype(jnp.float32), maximum, err_msg=message)
+  chex.assert_trees_all_equal(results["xla"], halves, custom_message=message)
+  assert_step_equals(results["xla"], expected_step(q, y, **selection, stats_dtype=stats_dtype, **kwargs), bits, message)
 
 
-def test_requantize_unselected_kernel_needs_buckets_inside_blocks():
-  x = jnp.ones(1024)
-  q = quantize.quantize(x, bits=4, bucket_size=512)
-  indices, values = topk.block_topk(x, density=0.1, block_size=768)
-  requantized = functools.partial(
-    error_feedback.requantize_unselected, q, x, indices, values, density=0.1, block_size=768, bits=4, bucket_size=512
-  )
-  with pytest.raises(ValueError, match="bucket_size a multiple of 256 dividing block_size"):
-    requantized(implementation="interpret")
-  # The default takes XLA.
-  chex.assert_trees_all_equal(requantized(), requantized(implementation="xla"))
-
-
-@pytest.mark.parametrize("block_size,kernel", [(2048, True), (1280, False)])
-def test_requantize_unselected_on_hopper_runs_the_kernel_where_buckets_lie_inside_blocks(
-  monkeypatch, block_size, kernel
-):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
-  size = 4096
-  kept = topk.selection_size(size, density=0.01, block_size=block_size)
-  stats = jax.ShapeDtypeStruct((quantize.num_buckets(size, 512),), jnp.bfloat16)
-  q = quantize.QuantizedArray(jax.ShapeDtypeStruct((size // 2,), jnp.uint8), stats, stats)
-  requantized = functools.partial(
-    error_feedback.requantize_unselected, density=0.01, block_size=block_size, bits=4, bucket_size=512
-  )
-  text = _backend.lower_for_cuda(
-    requantized,
-    q,
-    jax.ShapeDtypeStruct((size,), jnp.float32),
-    jax.ShapeDtypeStruct((kept,), jnp.int16),
-    jax.ShapeDtypeStruct((kept,), jnp.float32),
-  )
-  assert ("mosaic_gpu" in text) == kernel
-
-
-@pytest.mark.parametrize("implementation", ["xla", "interpret"])
-def test_requantize_unselected_zeroes_the_given_positions_whatever_their_values(implementation, seed):
+def test_requantize_unselected_zeroes_the_given_positions_whatever_their_values(seed):
   """A selection whose values are one ulp larger in magnitude than the ``x`` this program decodes
   (as where another program, rounding the decoding otherwise, ranked ``x``): exactly its positions
   are zeroed. A rule that compared the decoded ``x`` with a bound read from the values would leave
@@ -308,7 +311,6 @@ def test_requantize_unselected_zeroes_the_given_positions_whatever_their_values(
     density=density,
     block_size=block_size,
     stats_dtype=jnp.bfloat16,
-    implementation=implementation,
     **kwargs,
   )
   positions = microadam_update.flat_positions(indices, k=topk.entries_kept(block_size, density), block_size=block_size)

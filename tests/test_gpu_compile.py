@@ -37,7 +37,8 @@ needs_plugin = pytest.mark.skipif(
 
 # An optimized module in XLA's text format: a multi-output fusion over two
 # f32[1024] parameters, a while loop of 3 trips whose body runs one fusion
-# over f32[256], an asynchronous copy pair, and the free operations.
+# over f32[256], an asynchronous copy pair, and the free operations (an
+# uninitialized buffer among them).
 HLO = """HloModule jit_step, entry_computation_layout={(f32[1024]{0})->f32[1024]{0}}
 
 %fused_add (p0: f32[1024], p1: f32[1024]) -> (f32[1024], bf16[1024]) {
@@ -61,6 +62,7 @@ ENTRY %main (a: f32[1024], b: f32[1024], c: f32[256]) -> (f32[1024], bf16[1024],
   %b = f32[1024]{0} parameter(1)
   %c = f32[256]{0} parameter(2)
   %zero = s32[] constant(0)
+  %empty = f32[4096]{0} custom-call(), custom_call_target="AllocateBuffer"
   %fusion = (f32[1024]{0}, bf16[1024]{0}) fusion(%a, %b), kind=kLoop, calls=%fused_add, metadata={op_name="x(y)"}
   %sum = f32[1024]{0} get-tuple-element(%fusion), index=0
   %half = bf16[1024]{0} get-tuple-element(%fusion), index=1

@@ -62,7 +62,7 @@ def test_the_results_cover_every_kernel_for_both_architectures():
 
 @needs_plugin
 def test_every_kernel_compiles_for_sm_100a_as_recorded():
-  # A process of its own: Mosaic GPU reuses a kernel compiled earlier in a process without running ptxas.
+  # A process of its own, as benchmarks.kernel_registers compiles each architecture.
   command = [sys.executable, "-m", "benchmarks.kernel_registers", "--architectures", "sm_100a", "--check", str(RESULTS)]
   run = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
   assert run.returncode == 0, run.stderr[-3000:]

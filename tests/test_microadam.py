@@ -412,6 +412,7 @@ def test_inject_hyperparams_with_static_shape_arguments_steps_like_microadam(see
     (dict(block_size=300, implementation="pallas"), "block_size"),
     (dict(block_size=768, implementation="pallas"), "block_size"),  # a multiple of 256, not a power of two
     (dict(block_size=256, bucket_size=512, implementation="pallas"), "bucket_size"),
+    (dict(block_size=2048, bucket_size=768, implementation="pallas"), "bucket_size"),  # not a power of two
   ],
 )
 def test_rejects_bad_hyperparameters_eagerly(kwargs, name):
@@ -469,10 +470,9 @@ def test_pallas_update_lowers_every_kernel_for_cuda():
   }
   state = jax.eval_shape(opt.init, params)
   text = _backend.lower_for_cuda(opt.update, params, state, params)
-  # Per leaf the error's re-encoding (Mosaic GPU), and where a leaf has full
-  # blocks the top-k of the gradient plus its error (Triton). Fewer means
-  # `implementation` did not reach one of them and it fell back to XLA.
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == len(params)
+  # Where a leaf has full blocks, its error feedback's kernel (Triton); the
+  # tail block takes XLA. None means `implementation` did not reach it and it
+  # fell back to XLA.
   assert text.count(f"stablehlo.custom_call @{_backend.TRITON_CALL}") == 1
 
 

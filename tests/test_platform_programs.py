@@ -19,7 +19,7 @@ from pallas_kernels import _backend, dispatch, xla_cpu
 # The ops with kernels the default step of each registered optimizer calls, and their kernels' custom calls;
 # TACO's steps, which call none (its selection is XLA only), for their CPU aids.
 OPS = {
-  "microadam": {"feedback_topk": _backend.TRITON_CALL, "requantize_unselected": _backend.MOSAIC_GPU_CALL},
+  "microadam": {"feedback_step": _backend.TRITON_CALL},
   "taco": {},
   "taco_one_segment": {},
 }
@@ -45,20 +45,20 @@ def _lowered_step(name: str, platform: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_the_cuda_program_holds_the_tables_kernels_and_no_cpu_aid(monkeypatch, name):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
   text = _lowered_step(name, "cuda")
   assert xla_cpu.SCOPE not in text
   if not OPS[name]:
-    assert _backend.MOSAIC_GPU_CALL not in text and _backend.TRITON_CALL not in text
+    assert _backend.TRITON_CALL not in text
   for call in set(OPS[name].values()):
     assert (call in text) == any(dispatch.FASTER_ON_HOPPER[op] for op, c in OPS[name].items() if c == call), call
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_the_cpu_program_holds_the_cpu_aids_and_no_kernel(monkeypatch, name):
-  monkeypatch.setattr(dispatch, "cuda_target_runs_mosaic_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "cuda_target_is_hopper_or_newer", lambda: True)
   text = _lowered_step(name, "cpu")
-  assert _backend.MOSAIC_GPU_CALL not in text and _backend.TRITON_CALL not in text
+  assert _backend.TRITON_CALL not in text
   assert (xla_cpu.SCOPE in text) == (name not in WITHOUT_CPU_AIDS)
 
 

@@ -112,7 +112,7 @@ _ONE_PROCESS_TARGETS = [
 def test_a_small_models_train_step_compiles_for_every_target(target):
   loss_fn, params = _tiny_llama()
   tokens = jax.ShapeDtypeStruct((4, 65), jnp.int32)
-  # MicroAdam's step holds a Mosaic GPU kernel (requantize_unselected, pallas_kernels.dispatch):
+  # MicroAdam's step holds a Triton kernel (error_feedback.feedback_step, pallas_kernels.dispatch):
   # compiled through ptxas for the target's architecture.
   report = train_compile.train_step_report(loss_fn, params, tokens, target=target, optimizer_names=["microadam"])
   program = report.programs["microadam"]
