@@ -94,21 +94,8 @@ def _tiny_llama(remat="none"):
   return (lambda p, b: loop.next_token_loss(graphdef, p, b)), fit.model_params("tiny")
 
 
-# A process that has compiled Mosaic GPU kernels for sm_90a fails ptxas for
-# sm_100a ("SM version specified by .target is higher than default"): seen under
-# pytest-xdist, where a worker compiles for an H100 first. The B200's kernels are
-# compiled in processes of their own (tests/test_kernel_registers.py, CI's
-# `benchmarks.h100_compile --target b200` check).
-_ONE_PROCESS_TARGETS = [
-  pytest.param(target, marks=pytest.mark.xfail(reason="sm_100a after sm_90a in one process", strict=False))
-  if target == "b200"
-  else target
-  for target in gpu_compile.TARGETS
-]
-
-
 @needs_plugin
-@pytest.mark.parametrize("target", _ONE_PROCESS_TARGETS)
+@pytest.mark.parametrize("target", gpu_compile.TARGETS)
 def test_a_small_models_train_step_compiles_for_every_target(target):
   loss_fn, params = _tiny_llama()
   tokens = jax.ShapeDtypeStruct((4, 65), jnp.int32)
