@@ -4,10 +4,12 @@ The small model's fine-tuning task of ``benchmarks.convergence`` (AdamW's
 pre-trained base, ``stdlib_source``, its steps, schedule and batches) with
 the base's weights cast to bfloat16: the forward and backward passes run in
 bfloat16, the gradients are bfloat16, and the new parameters are written
-back into bfloat16 either by stochastic rounding
-(``optax_memopt.with_stochastic_rounding``, seeded with the run's seed) or by
+back into bfloat16 by stochastic rounding
+(``optax_memopt.with_stochastic_rounding``, seeded with the run's seed), by
 round-to-nearest (``optax.apply_updates`` alone), AdamW's usual bfloat16
-training. Each optimizer runs at its best float32 fine-tuning rate in
+training, or (AdamW, and ``KAHAN_TOO``) by round-to-nearest with Kahan
+compensation (``optax_memopt.with_kahan_summation``: a bfloat16 buffer per
+parameter carries what rounding dropped into the next step). Each optimizer runs at its best float32 fine-tuning rate in
 ``benchmarks/data/convergence.json`` and is compared seed by seed with its
 float32-parameter runs there (same base, batches and rate): the gap and the
 standard error of the per-seed differences. The target is a gap within
@@ -15,7 +17,7 @@ standard error of the per-seed differences. The target is a gap within
 
 Whether the spacing matters: a step changes a weight ``w`` by about the
 learning rate (Adam's normalized step), and bfloat16's spacing at ``w`` is
-``2**-7`` to ``2**-8`` of ``|w|``. AdamW also runs, both ways, at lower
+``2**-7`` to ``2**-8`` of ``|w|``. AdamW also runs, every way, at lower
 rates (``LOW_RATES``) where, late in the cosine schedule, its steps are
 below the spacing of most weights: there round-to-nearest loses them, and
 the table shows what that costs.
@@ -54,6 +56,7 @@ SEEDS = (0, 1, 2, 3, 4)
 ROUNDINGS = {
   "stochastic": "stochastic rounding",
   "nearest": "round-to-nearest",
+  "kahan": "Kahan compensation",
 }
 # optax.adamw keeps m and v in the parameters' dtype; in bfloat16, v's decay
 # 0.999 rounds to 1 and v stops forgetting. This AdamW keeps them in float32
@@ -62,6 +65,9 @@ FLOAT32_MOMENTS = "adamw_float32_moments"
 # AdamW's rates below its best (powers of 3 from its default, as in
 # convergence.json): 3e-4 at the peak, a tenth of that at the end.
 LOW_RATES = (-1,)
+# Beside AdamW, the optimizers that also run with Kahan compensation: TACO,
+# whose gap with stochastic rounding misses the target.
+KAHAN_TOO = ("taco",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +91,18 @@ def best_exponent(reference: dict, name: str) -> int | None:
 
 
 def cases(reference: dict, names) -> list[Case]:
-  """Every optimizer with stochastic rounding at its best rate; AdamW also with round-to-nearest, and lower."""
+  """Every optimizer with stochastic rounding at its best rate; AdamW also with round-to-nearest and with Kahan
+  compensation, and lower; the optimizers of ``KAHAN_TOO`` also with Kahan compensation."""
   out = []
   for name in names:
     best = best_exponent(reference, name)
     if best is None:
       continue
     out.append(Case(name, best, "stochastic"))
+    if name in KAHAN_TOO:
+      out.append(Case(name, best, "kahan"))
     if name == convergence.BASE_OPTIMIZER:
-      out.append(Case(name, best, "nearest"))
+      out += [Case(name, best, r) for r in ROUNDINGS if r != "stochastic"]
       out += [Case(name, e, r) for e in LOW_RATES if e != best for r in ROUNDINGS]
       out += [Case(FLOAT32_MOMENTS, e, r) for e in (*LOW_RATES, best) for r in ROUNDINGS]
   return out
@@ -229,6 +238,8 @@ def train_once(case: Case, seed: int, base_params) -> dict:
     tx = float32_moments(tx)
   if case.rounding == "stochastic":
     tx = optax_memopt.with_stochastic_rounding(tx, seed=seed)
+  elif case.rounding == "kahan":
+    tx = optax_memopt.with_kahan_summation(tx)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)
   start = time.perf_counter()
   result, divergence = convergence.train_task(config, tx, task, seed=seed, params=params)

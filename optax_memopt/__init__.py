@@ -2,6 +2,7 @@
 
 from optax_memopt.adam_mini import ScaleByAdamMiniState, adam_mini, scale_by_adam_mini
 from optax_memopt.adam_mini_blocks import BlockRule, adam_mini_partition
+from optax_memopt.kahan_summation import KahanSummationState, kahan_summation, with_kahan_summation
 from optax_memopt.lowbit_adamw import ScaleByLowbitAdamState, adamw_4bit, adamw_8bit, adamw_fp8, scale_by_lowbit_adam
 from optax_memopt.microadam import ScaleByMicroAdamState, microadam, scale_by_microadam
 from optax_memopt.sharding import state_shardings
@@ -20,6 +21,8 @@ __all__ = [
   "adamw_8bit",
   "adamw_fp8",
   "BlockRule",
+  "kahan_summation",
+  "KahanSummationState",
   "MatrixAxes",
   "microadam",
   "scale_by_adam_mini",
@@ -41,6 +44,7 @@ __all__ = [
   "ternary_adam",
   "TernaryAdamNu",
   "vocabulary_in_float32",
+  "with_kahan_summation",
   "with_stochastic_rounding",
 ]
 

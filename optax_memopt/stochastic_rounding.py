@@ -163,6 +163,21 @@ def round_stochastically(x: jax.Array, bits: jax.Array, dtype) -> jax.Array:
   return jnp.where((nearest.astype(jnp.float32) == x) | ~jnp.isfinite(nearest), nearest, rounded)
 
 
+def update_landing_on(start: jax.Array, target: jax.Array) -> jax.Array:
+  """The float32 update with which ``optax.apply_updates`` takes a parameter from ``start`` exactly to ``target``.
+
+  Args:
+    start: the parameter (bfloat16 or float16) in float32.
+    target: its new value, a number of the parameter's dtype, in float32.
+
+  Returns:
+    ``target - start`` (exact where it matters: the module docstring), 0
+    where the two are equal (an infinite parameter would otherwise get
+    ``inf - inf = NaN``).
+  """
+  return jnp.where(target == start, 0.0, target - start)
+
+
 def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """Turns the updates of bfloat16 and float16 parameters into stochastically rounded ones.
 
@@ -231,8 +246,7 @@ def stochastic_rounding(seed: int | jax.Array = 0) -> optax.GradientTransformati
       bits = element_bits(seed, param.shape)
       start = param.astype(jnp.float32)
       target = round_stochastically(start + update.astype(jnp.float32), bits, param.dtype).astype(jnp.float32)
-      # Zero where the parameter stays: an infinite one would otherwise get inf - inf = NaN.
-      return jnp.where(target == start, 0.0, target - start)
+      return update_landing_on(start, target)
 
     rounded = [round_leaf(*leaf) for leaf in zip(flat_updates, flat_params, seeds)]
     new_state = StochasticRoundingState(count=optax.safe_increment(state.count), key=jax.random.key_data(next_key))

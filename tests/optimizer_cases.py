@@ -91,6 +91,10 @@ def _sgd_with_stochastic_rounding(**kwargs) -> optax.GradientTransformation:
   return optax_memopt.with_stochastic_rounding(optax.sgd(**kwargs), seed=7)
 
 
+def _sgd_with_kahan_summation(**kwargs) -> optax.GradientTransformation:
+  return optax_memopt.with_kahan_summation(optax.sgd(**kwargs))
+
+
 def _ternary_adam_every_two_steps(**kwargs) -> optax.GradientTransformation:
   return optax.MultiSteps(optax_memopt.ternary_adam(**kwargs), every_k_schedule=2).gradient_transformation()
 
@@ -137,6 +141,10 @@ SHARDING_CASES: dict[str, OptimizerCase] = {
   # mesh moves the rare entry whose random bits sit at its remainder).
   "sgd_stochastic_rounding_bf16": OptimizerCase(
     _sgd_with_stochastic_rounding, dict(learning_rate=1e-2, momentum=0.9), param_dtype="bfloat16"
+  ),
+  # Its compensation buffers shaped and sharded like the parameters.
+  "sgd_kahan_bf16": OptimizerCase(
+    _sgd_with_kahan_summation, dict(learning_rate=1e-2, momentum=0.9), param_dtype="bfloat16"
   ),
   # The default top-k blocks of 16384: the 512 x 96 kernel has 3 blocks,
   # which do not split over 8 devices.

@@ -378,15 +378,23 @@ def test_the_bfloat16_table_runs_each_optimizer_at_its_best_float32_rate_and_gap
 
   # The figures below are worked out for these three seeds.
   monkeypatch.setattr(bf16, "SEEDS", SEEDS)
-  reference = fake_results(sweep("adamw", {0: 2.0, 1: 1.9, 2: 2.1}) + sweep("other", {-1: 2.2, 0: 2.3, 1: 2.4}))
+  monkeypatch.setattr(bf16, "KAHAN_TOO", ("compensated",))
+  reference = fake_results(
+    sweep("adamw", {0: 2.0, 1: 1.9, 2: 2.1})
+    + sweep("other", {-1: 2.2, 0: 2.3, 1: 2.4})
+    + sweep("compensated", {-1: 2.4, 0: 2.3, 1: 2.2})
+  )
   Case = bf16.Case
-  assert bf16.cases(reference, ["adamw", "other", "not_swept"]) == [
+  roundings = ("stochastic", "nearest", "kahan")
+  assert bf16.cases(reference, ["adamw", "other", "not_swept", "compensated"]) == [
     Case("adamw", 1, "stochastic"),
     Case("adamw", 1, "nearest"),
-    Case("adamw", -1, "stochastic"),
-    Case("adamw", -1, "nearest"),
-    *[Case(bf16.FLOAT32_MOMENTS, e, r) for e in (-1, 1) for r in ("stochastic", "nearest")],
+    Case("adamw", 1, "kahan"),
+    *[Case("adamw", -1, r) for r in roundings],
+    *[Case(bf16.FLOAT32_MOMENTS, e, r) for e in (-1, 1) for r in roundings],
     Case("other", -1, "stochastic"),
+    Case("compensated", 1, "stochastic"),
+    Case("compensated", 1, "kahan"),
   ]
   float32 = {s: 1.9 + offset for s, offset in zip(SEEDS, (0.0, 0.01, -0.01))}
   stochastic = [bf16_run("adamw", 1, "stochastic", s, float32[s] + d) for s, d in zip(SEEDS, (0.004, 0.006, 0.011))]
@@ -398,7 +406,7 @@ def test_the_bfloat16_table_runs_each_optimizer_at_its_best_float32_rate_and_gap
     "| adamw | 3.0e-03 (x3) | stochastic rounding | 1.907 ± 0.005 | 1.900 ± 0.006 | +0.007 ± 0.002 | yes |",
     "| adamw | 3.0e-03 (x3) | round-to-nearest | 1.960 ± 0.006 | 1.900 ± 0.006 | +0.060 ± 0.006 | no |",
   ]
-  assert "Partial (not run yet: adamw x1/3 stochastic, adamw x1/3 nearest, adamw_float32_moments x1/3 stochastic," in (
+  assert "Partial (not run yet: adamw x3 kahan, adamw x1/3 stochastic, adamw x1/3 nearest, adamw x1/3 kahan," in (
     bf16.render(results, reference, ["adamw", "other"])
   )
   # AdamW with float32 moments compares with AdamW's float32-parameter runs.
