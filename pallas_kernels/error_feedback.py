@@ -72,7 +72,7 @@ def kth_largest_key(count_at_least: Callable[[jax.Array], jax.Array], k: int) ->
   """The k-th largest magnitude key, by bisection on its bits from the top down.
 
   Keeps the largest ``T`` with ``count_at_least(T) = #{key >= T} >= k``, by
-  31 counts over what the caller holds (``feedback_topk``'s kernel: a block
+  31 counts over what the caller holds (``feedback_step``'s kernel: a block
   in registers); shifts are on uint32.
   """
 

@@ -129,9 +129,8 @@ def round_outward(values: jax.Array, stats_dtype: np.dtype, *, upward: bool) -> 
 
   A bfloat16 is the upper half of a float32: clearing the low 16 bits rounds
   toward zero, and one bfloat16 step away from zero fixes the values for which
-  that went the wrong way. Integer ops on a vector lower in Mosaic GPU (on
-  scalars they do not, on JAX 0.12), and the rounding is monotonic, so kernels
-  round elements before reducing and XLA rounds the reduced values: the same.
+  that went the wrong way. The rounding is monotonic, so rounding the
+  elements before reducing them gives what rounding the reduced value does.
   """
   if stats_dtype == jnp.float32:
     return values

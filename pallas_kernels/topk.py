@@ -30,7 +30,7 @@ per block). ``block_topk`` is the same selection tuned for XLA:
 XLA:CPU's partial-sort top-k is for floats only), and at low density runs in
 two exact stages: the top ``k`` groups of ``g`` entries by their maximum
 key, then the top ``k`` of those ``k g`` candidates. It has no kernel of its
-own: on a GPU, MicroAdam selects with ``error_feedback.feedback_topk``'s
+own: on a GPU, MicroAdam selects with ``error_feedback.feedback_step``'s
 Triton kernel, which reads the error feedback and the gradient once and
 ranks by this module's ``magnitude_key``.
 
@@ -117,10 +117,9 @@ def selection_size(size: int, *, density: float, block_size: int) -> int:
 def magnitude_key(x: jax.Array) -> jax.Array:
   """The int32 key that ranks entries: the bits of ``|float32(x)|``.
 
-  Shared by the kernels (``error_feedback``'s ``feedback_topk``, ``requantize_unselected``)
-  and the XLA code. The sign bit is masked in uint32 (Mosaic GPU only does
-  bit operations on 32-bit unsigned integers); the result is below
-  ``2**31``, so the cast to int32 is exact.
+  Shared by the kernel (``error_feedback.feedback_step``'s) and the XLA
+  code. The sign bit is masked in uint32; the result is below ``2**31``, so
+  the cast to int32 is exact.
   """
   bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   return (bits & jnp.uint32(0x7FFFFFFF)).astype(jnp.int32)
