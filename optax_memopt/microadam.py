@@ -77,16 +77,10 @@ def _check_hyperparameters(
   # Raises ValueError naming bucket_size for a size the quantizer does not take.
   quantize.num_buckets(0, bucket_size)
   dispatch.check(implementation)
-  if implementation in ("pallas", "interpret") and (block_size < quantize.ROW or block_size & (block_size - 1)):
-    raise ValueError(
-      f"block_size must be a power of two of at least {quantize.ROW} for the Pallas error-feedback kernel (Triton's"
-      f" block shapes); got {block_size}. Use implementation='xla' for other block sizes."
-    )
-  if implementation in ("pallas", "interpret") and (bucket_size & (bucket_size - 1) or block_size % bucket_size):
-    raise ValueError(
-      f"bucket_size must be a power of two dividing block_size for the Pallas error-feedback kernel (Triton's block"
-      f" shapes); got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
-    )
+  if implementation in ("pallas", "interpret"):
+    unsupported = error_feedback.kernel_unsupported_reason(block_size, bucket_size)
+    if unsupported is not None:
+      raise ValueError(unsupported)
   return window, density, block_size, bucket_size
 
 

@@ -339,16 +339,12 @@ def requantize_unselected(
     >>> e.maximum.tolist()  # the lower half of each block is left
     [127.0, 383.0]
   """
-  y = jnp.asarray(y)
-  static_args.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
-  stats_dtype = static_args.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
-  quantize.check_quantized(q, size=y.size, bits=bits, bucket_size=bucket_size)
-  density, block_size = topk.check_block_params(density, block_size)
+  y, density, block_size, stats_dtype = _check_error_arguments(
+    q, y, density, block_size, bits, bucket_size, stats_dtype
+  )
   _check_selection(indices, values, size=y.size, density=density, block_size=block_size)
   if y.size == 0:
-    return quantize.QuantizedArray(
-      jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)
-    )
+    return _empty_error(stats_dtype)
   return _requantize_unselected(
     q, y, indices, density=density, block_size=block_size, bits=bits, bucket_size=bucket_size, stats_dtype=stats_dtype
   )
@@ -364,23 +360,43 @@ def _requantize_unselected(q, y, indices, *, density, block_size, bits, bucket_s
 # -- feedback_step: the selection and the re-encoded error in one pass -------
 
 
-def _kernel_unsupported_reason(y: jax.Array, block_size: int, bucket_size: int) -> str | None:
+def kernel_unsupported_reason(block_size: int, bucket_size: int) -> str | None:
+  """Why ``feedback_step``'s kernel cannot take these sizes, naming the argument; ``None`` where it can.
+
+  The kernel's block shapes are Triton's: ``block_size`` a power of two of at
+  least 256, ``bucket_size`` a power of two dividing it. MicroAdam refuses an
+  ``implementation="pallas"`` it cannot run with this text, when it is built.
+  """
+
   def power_of_two(n):
     return n & (n - 1) == 0
 
   if block_size < _ROW or not power_of_two(block_size):
     return (
-      f"block_size must be a power of two of at least {_ROW} for the Triton kernel (its block shapes);"
-      f" got {block_size}. Use implementation='xla' for other block sizes."
+      f"block_size must be a power of two of at least {_ROW} for the Pallas error-feedback kernel (Triton's block"
+      f" shapes); got {block_size}. Use implementation='xla' for other block sizes."
     )
   if not power_of_two(bucket_size) or block_size % bucket_size:
     return (
-      f"bucket_size must be a power of two dividing block_size for the Triton kernel; got bucket_size={bucket_size},"
-      f" block_size={block_size}. Use implementation='xla' for other sizes."
+      f"bucket_size must be a power of two dividing block_size for the Pallas error-feedback kernel (Triton's block"
+      f" shapes); got bucket_size={bucket_size}, block_size={block_size}. Use implementation='xla' for other sizes."
     )
-  if jnp.dtype(y.dtype).itemsize > 4:
-    return f"y must be a float type of at most 32 bits for the Triton kernel; got {y.dtype}. Use implementation='xla'."
   return None
+
+
+def _empty_error(stats_dtype) -> quantize.QuantizedArray:
+  """The re-encoded error of an empty tensor."""
+  return quantize.QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype))
+
+
+def _check_error_arguments(q, y, density, block_size, bits, bucket_size, stats_dtype):
+  """``(y, density, block_size, stats_dtype)`` checked, as both ops that re-encode the error take them."""
+  y = jnp.asarray(y)
+  static_args.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
+  stats_dtype = static_args.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
+  quantize.check_quantized(q, size=y.size, bits=bits, bucket_size=bucket_size)
+  density, block_size = topk.check_block_params(density, block_size)
+  return y, density, block_size, stats_dtype
 
 
 def feedback_step_reference(
@@ -645,19 +661,11 @@ def feedback_step(
     Overhead and Provable Convergence", NeurIPS 2024,
     https://arxiv.org/abs/2405.15593
   """
-  density = static_args.check_fraction("density", density)
-  block_size = static_args.check_int("block_size", block_size, 1, topk.MAX_BLOCK_SIZE)
-  y = jnp.asarray(y)
-  static_args.check_dtype("y", y.dtype, quantize.VALUE_DTYPES)
-  stats_dtype = static_args.check_dtype("stats_dtype", stats_dtype, quantize.STATS_DTYPES)
-  quantize.check_quantized(q, size=y.size, bits=bits, bucket_size=bucket_size)
+  y, density, block_size, stats_dtype = _check_error_arguments(
+    q, y, density, block_size, bits, bucket_size, stats_dtype
+  )
   if y.size == 0:
-    empty = jnp.zeros((0,), static_args.index_dtype(block_size))
-    return (
-      empty,
-      jnp.zeros((0,), jnp.float32),
-      quantize.QuantizedArray(jnp.zeros((0,), jnp.uint8), jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)),
-    )
+    return jnp.zeros((0,), static_args.index_dtype(block_size)), jnp.zeros((0,), jnp.float32), _empty_error(stats_dtype)
   return dispatch.run(
     "feedback_step",
     implementation,
@@ -671,7 +679,7 @@ def feedback_step(
       stats_dtype=stats_dtype,
       implementation=resolved,
     ),
-    unsupported=_kernel_unsupported_reason(y, block_size, bucket_size),
+    unsupported=kernel_unsupported_reason(block_size, bucket_size),
   )
 
 

@@ -12,14 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 
 import optax_memopt
 from optax_memopt import kahan_summation, with_kahan_summation
 from tests.test_checkpoint import bitwise
-from tests.test_stochastic_rounding import BFloat16Classifier, nnx_step
+from tests.test_stochastic_rounding import assert_resumes_bitwise_from_orbax
 
 DTYPES = [jnp.bfloat16, jnp.float16]
 
@@ -102,28 +100,4 @@ def test_inside_a_chain_after_inject_hyperparams_whose_rate_the_state_sets():
 
 
 def test_nnx_optimizer_with_bfloat16_parameters_resumes_bitwise_from_orbax(tmp_path, seed):
-  tokens = jnp.arange(32)
-  labels = jax.random.randint(jax.random.key(seed), (32,), 0, 4)
-  tx = with_kahan_summation(optax_memopt.adam_mini(1e-2))
-
-  def build(model_seed):
-    model = BFloat16Classifier(nnx.Rngs(model_seed))
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  model, optimizer = build(seed)
-  losses = [float(nnx_step(model, optimizer, tokens, labels)) for _ in range(2)]
-  ocp_dir = tmp_path / "checkpoint"
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(ocp_dir, nnx.state((model, optimizer)))
-  checkpointer.wait_until_finished()
-  losses += [float(nnx_step(model, optimizer, tokens, labels)) for _ in range(2)]
-
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(seed + 1)))
-  resumed_model, resumed_optimizer = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(ocp_dir, abstract))
-  resumed = [float(nnx_step(resumed_model, resumed_optimizer, tokens, labels)) for _ in range(2)]
-
-  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
-  assert resumed == losses[2:]
-  assert bitwise(nnx.to_pure_dict(nnx.state((resumed_model, resumed_optimizer)))) == bitwise(
-    nnx.to_pure_dict(nnx.state((model, optimizer)))
-  )
+  assert_resumes_bitwise_from_orbax(with_kahan_summation(optax_memopt.adam_mini(1e-2)), tmp_path, seed)

@@ -229,10 +229,11 @@ def nnx_step(model, optimizer, tokens, labels):
   return loss
 
 
-def test_nnx_optimizer_with_bfloat16_parameters_resumes_bitwise_from_orbax(tmp_path, seed):
+def assert_resumes_bitwise_from_orbax(tx: optax.GradientTransformation, tmp_path, seed: int) -> None:
+  """``tx`` trains a bfloat16 model under ``nnx.Optimizer``, and a run restored from an orbax checkpoint
+  midway steps as the uninterrupted one, bit for bit."""
   tokens = jnp.arange(32)
   labels = jax.random.randint(jax.random.key(seed), (32,), 0, 4)
-  tx = with_stochastic_rounding(optax_memopt.adamw_8bit(1e-2, block_size=16, min_quantized_size=32), seed=seed)
 
   def build(model_seed):
     model = BFloat16Classifier(nnx.Rngs(model_seed))
@@ -256,3 +257,8 @@ def test_nnx_optimizer_with_bfloat16_parameters_resumes_bitwise_from_orbax(tmp_p
   assert bitwise(nnx.to_pure_dict(nnx.state((resumed_model, resumed_optimizer)))) == bitwise(
     nnx.to_pure_dict(nnx.state((model, optimizer)))
   )
+
+
+def test_nnx_optimizer_with_bfloat16_parameters_resumes_bitwise_from_orbax(tmp_path, seed):
+  tx = with_stochastic_rounding(optax_memopt.adamw_8bit(1e-2, block_size=16, min_quantized_size=32), seed=seed)
+  assert_resumes_bitwise_from_orbax(tx, tmp_path, seed)
