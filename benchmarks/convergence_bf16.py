@@ -15,6 +15,13 @@ float32-parameter runs there (same base, batches and rate): the gap and the
 standard error of the per-seed differences. The target is a gap within
 0.01 or that standard error, whichever is larger.
 
+Stochastic rounding draws its own noise: with the seed's batches fixed, the
+rounding key alone moved a run of TACO's by up to 0.02. So each seed runs
+with ``ROUNDING_DRAWS`` rounding keys (seeds ``seed + KEY_STRIDE * draw``,
+draw 0 the seed itself) and its loss is their mean: the per-seed difference
+then measures the rounding's expected cost, not one draw of its noise.
+Round-to-nearest and Kahan compensation are deterministic: one run a seed.
+
 Whether the spacing matters: a step changes a weight ``w`` by about the
 learning rate (Adam's normalized step), and bfloat16's spacing at ``w`` is
 ``2**-7`` to ``2**-8`` of ``|w|``. AdamW also runs, every way, at lower
@@ -53,6 +60,10 @@ RESULTS = convergence.ROOT / "benchmarks" / "data" / "convergence_bf16.json"
 SIZE, TASK = "small", "finetune"
 # The float32 sweep's five seeds.
 SEEDS = (0, 1, 2, 3, 4)
+# Rounding keys per seed for stochastic rounding, and the stride between
+# them (apart from every data seed).
+ROUNDING_DRAWS = 3
+KEY_STRIDE = 1000
 ROUNDINGS = {
   "stochastic": "stochastic rounding",
   "nearest": "round-to-nearest",
@@ -66,7 +77,7 @@ FLOAT32_MOMENTS = "adamw_float32_moments"
 # convergence.json): 3e-4 at the peak, a tenth of that at the end.
 LOW_RATES = (-1,)
 # Beside AdamW, the optimizers that also run with Kahan compensation: TACO,
-# whose gap with stochastic rounding misses the target.
+# whose gap with stochastic rounding missed the target while each seed ran one rounding key.
 KAHAN_TOO = ("taco",)
 
 
@@ -117,9 +128,15 @@ def float32_runs(reference: dict, case: Case) -> dict[int, dict]:
   }
 
 
-def runs_of(results: dict, case: Case) -> dict[int, dict]:
+def draws(case: Case) -> range:
+  """The rounding draws a seed of ``case`` runs: ``ROUNDING_DRAWS`` for stochastic rounding, else one."""
+  return range(ROUNDING_DRAWS if case.rounding == "stochastic" else 1)
+
+
+def runs_of(results: dict, case: Case) -> dict[tuple[int, int], dict]:
+  """``case``'s runs in ``results``, by ``(seed, draw)``."""
   return {
-    r["seed"]: r
+    (r["seed"], r.get("rounding_draw", 0)): r
     for r in results["runs"]
     if (r["optimizer"], r["exponent"], r["rounding"]) == (case.optimizer, case.exponent, case.rounding)
   }
@@ -129,7 +146,7 @@ def runs_of(results: dict, case: Case) -> dict[int, dict]:
 class Row:
   case: Case
   learning_rate: float
-  validation_loss: float  # Mean over SEEDS; infinite where a run diverged.
+  validation_loss: float  # Mean over SEEDS (and draws); infinite where a run diverged.
   standard_error: float | None
   float32_loss: float
   float32_error: float | None
@@ -142,15 +159,15 @@ class Row:
 
 
 def row_of(results: dict, reference: dict, case: Case) -> Row | None:
-  """``case``'s row, or None until every seed has run in both files."""
+  """``case``'s row, or None until every seed (and draw) has run in both files."""
   bf16, fp32 = runs_of(results, case), float32_runs(reference, case)
-  if not set(SEEDS) <= set(bf16) or not set(SEEDS) <= set(fp32):
+  if not {(s, d) for s in SEEDS for d in draws(case)} <= set(bf16) or not set(SEEDS) <= set(fp32):
     return None
-  low = [convergence.validation(bf16[s]) for s in SEEDS]
+  low = [float(np.mean([convergence.validation(bf16[s, d]) for d in draws(case)])) for s in SEEDS]
   high = [convergence.validation(fp32[s]) for s in SEEDS]
   return Row(
     case=case,
-    learning_rate=bf16[SEEDS[0]]["learning_rate"],
+    learning_rate=bf16[SEEDS[0], 0]["learning_rate"],
     validation_loss=float(np.mean(low)),
     standard_error=convergence.standard_error(low),
     float32_loss=float(np.mean(high)),
@@ -169,7 +186,8 @@ def render(results: dict, reference: dict, names=tuple(optimizers.OPTIMIZERS)) -
     f"Fine-tuning AdamW's pre-trained weights on the standard library's source with bfloat16 parameters and"
     f" gradients, small model ({reference['protocol']['n_params'][SIZE]:,} parameters),"
     f" {convergence.PROTOCOL[SIZE][TASK].steps} steps, seeds {', '.join(map(str, SEEDS))}; the gap is to the same"
-    " optimizer's float32-parameter runs at the same rate and seeds (`convergence.json`)"
+    " optimizer's float32-parameter runs at the same rate and seeds (`convergence.json`); with stochastic rounding"
+    f" a seed's loss is the mean of {ROUNDING_DRAWS} rounding keys"
   )
   if missing:
     head += ". Partial (not run yet: " + ", ".join(_case_name(c) for c in missing) + ")"
@@ -203,6 +221,8 @@ def protocol_json() -> dict:
     "steps": task.steps,
     "lr_scale": task.lr_scale,
     "seeds": list(SEEDS),
+    "rounding_draws": ROUNDING_DRAWS,
+    "key_stride": KEY_STRIDE,
     "batch_size": convergence.BATCH_SIZE,
     "seq_len": convergence.SEQ_LEN,
     "param_dtype": "bfloat16",
@@ -227,8 +247,8 @@ def float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransform
   )
 
 
-def train_once(case: Case, seed: int, base_params) -> dict:
-  """One run with bfloat16 parameters: its record for the results."""
+def train_once(case: Case, seed: int, draw: int, base_params) -> dict:
+  """One run with bfloat16 parameters, ``draw`` its rounding key (:data:`ROUNDING_DRAWS`): its record."""
   task = convergence.PROTOCOL[SIZE][TASK]
   spec = optimizers.get(case.reference)
   config = convergence.SIZES[SIZE]
@@ -237,7 +257,7 @@ def train_once(case: Case, seed: int, base_params) -> dict:
   if case.optimizer == FLOAT32_MOMENTS:
     tx = float32_moments(tx)
   if case.rounding == "stochastic":
-    tx = optax_memopt.with_stochastic_rounding(tx, seed=seed)
+    tx = optax_memopt.with_stochastic_rounding(tx, seed=seed + KEY_STRIDE * draw)
   elif case.rounding == "kahan":
     tx = optax_memopt.with_kahan_summation(tx)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), base_params)
@@ -250,6 +270,7 @@ def train_once(case: Case, seed: int, base_params) -> dict:
     "exponent": case.exponent,
     "rounding": case.rounding,
     "seed": seed,
+    "rounding_draw": draw,
     "learning_rate": peak,
     "validation_loss": validation,
     "diverged_at_step": diverged,
@@ -259,7 +280,7 @@ def train_once(case: Case, seed: int, base_params) -> dict:
   }
 
 
-def estimate(results: dict, todo: list[tuple[Case, int]]) -> str:
+def estimate(results: dict, todo: list[tuple[Case, int, int]]) -> str:
   """The time left: each run at the median time of the runs here, or of the float32 runs of convergence.json."""
   timed = [r["seconds"] for r in results["runs"]]
   per_run = float(np.median(timed)) if timed else math.nan
@@ -291,7 +312,9 @@ def main(argv=None) -> None:
     print(render(results, reference))
     return
   names = [convergence.BASE_OPTIMIZER] + [n for n in args.optimizers if n != convergence.BASE_OPTIMIZER]
-  todo = [(c, s) for c in cases(reference, names) for s in SEEDS if s not in runs_of(results, c)]
+  todo = [
+    (c, s, d) for c in cases(reference, names) for s in SEEDS for d in draws(c) if (s, d) not in runs_of(results, c)
+  ]
   print(estimate(results, todo), flush=True)
   if args.estimate or not todo:
     return
@@ -299,12 +322,12 @@ def main(argv=None) -> None:
   base, _ = convergence.pretrained_base(
     SIZE, steps, reference["bases"][key], args.cache / f"convergence_base_{key}.msgpack"
   )
-  for count, (case, seed) in enumerate(todo, 1):
-    record = train_once(case, seed, base)
+  for count, (case, seed, draw) in enumerate(todo, 1):
+    record = train_once(case, seed, draw, base)
     results["runs"].append(record)
     convergence.save(args.results, results)
     print(
-      f"[{count}/{len(todo)}] {_case_name(case)} seed {seed}: validation"
+      f"[{count}/{len(todo)}] {_case_name(case)} seed {seed} draw {draw}: validation"
       f" {convergence._loss(convergence.validation(record))} ({record['seconds']:.0f} s)",
       flush=True,
     )
