@@ -318,6 +318,20 @@ def _block_directions(local, ring_values, weights, eps, first_block, buffers, *,
 WINDOW_ENTRIES_AT_ONCE = 1 << 18
 
 
+def _zeros_after(local: jax.Array, n_blocks: int) -> jax.Array:
+  """int32 zeros, one per block, computed from the ring's block-local indices (all ``>= 0``): XLA cannot fold them.
+
+  The compacted directions and the bitmap are filled with them. Built from
+  constants alone (or left uninitialized), nothing orders their creation
+  after the step's data: in a whole training step compiled for an H100, XLA
+  created every tensor's at the start of the step, and all of them (1.7 GB
+  on Llama-3-8B) were live at the step's peak, in the backward pass, before
+  any gradient existed. One zero per block, read from the block's own
+  columns, keeps a sharded ring's blocks on their devices.
+  """
+  return jnp.minimum(local[0, :: local.shape[1] // n_blocks].astype(jnp.int32), 0)
+
+
 def _dense_update(
   ring, weights, eps, *, n_blocks: int, width: int, block_size: int, dtype, entries_at_once: int | None = None
 ) -> jax.Array:
@@ -344,10 +358,14 @@ def _dense_update(
     ]
     return _block_directions(*ring_blocks, weights, eps, first_block, buffers, block_size=block_size, width=width)
 
-  # Only the last direction, which absent elements read, needs a value before
-  # the chunks write theirs: the slots past a block's distinct indices are never read.
-  directions = lax.empty((n_blocks * n_entries + 1,), dtype).at[-1].set(0)
-  buffers = (directions, jnp.zeros((n_blocks * words,), jnp.uint32))
+  # Zeros computed from the ring: the buffers are made where the step's data
+  # is (_zeros_after). The directions' slots past a block's distinct indices
+  # are never read, but an uninitialized buffer (lax.empty) depends on nothing,
+  # and XLA:GPU made it at the start of the step.
+  zeros = _zeros_after(ring[0], n_blocks)
+  directions = jnp.concatenate([jnp.broadcast_to(zeros[:, None], (n_blocks, n_entries)).reshape(-1), zeros[-1:]])
+  bitmap = jnp.broadcast_to(zeros[:, None].astype(jnp.uint32), (n_blocks, words)).reshape(-1)
+  buffers = (directions.astype(dtype), bitmap)
   if looped == 1:
     buffers = chunk_directions(0, chunk, buffers)
   else:
@@ -432,8 +450,8 @@ def microadam_update(
   where no row has an entry.
 
   Args:
-    indices: block-local indices ``[window, K]`` (int16 or int32), each row
-      block-major as ``topk.block_topk`` returns it.
+    indices: block-local indices ``[window, K]``, in ``[0, block_size)``
+      (int16 or int32), each row block-major as ``topk.block_topk`` returns it.
     values: the selected values ``[window, K]`` (any float dtype).
     count: the step ``t >= 1``; ring row ``(t - 1) mod window`` holds its
       gradient.

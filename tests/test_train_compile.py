@@ -112,6 +112,32 @@ def test_a_small_models_train_step_compiles_for_every_target(target):
 
 
 @needs_plugin
+def test_microadams_update_makes_no_buffer_before_the_backward_pass():
+  """What depends on nothing, XLA:GPU schedules with the step's arguments, before the forward pass.
+
+  MicroAdam's compacted directions and bitmaps, made uninitialized or from
+  constants, were so made for every tensor and held through the backward
+  pass's peak (1.7 GB on Llama-3-8B at batch 8); each is now computed from
+  its tensor's ring (``pallas_kernels.microadam_update``).
+  """
+  loss_fn, params = _tiny_llama()
+  tokens = jax.ShapeDtypeStruct((4, 65), jnp.int32)
+  tx = train_compile.registered_optimizer("microadam")
+  compiled = train_compile._compiled_step(loss_fn, params, jax.eval_shape(tx.init, params), tokens, tx, "h100")
+  entry, bodies = gpu_compile._computations(compiled.as_text())
+  # The entry computation of a scheduled module lists its instructions in their order of execution.
+  schedule = [(line, shape) for line, _, shape, _, _ in gpu_compile._instructions(bodies[entry], {})]
+  backward = next(i for i, (line, _) in enumerate(schedule) if "transpose(jvp" in line)
+  # Beside the buffers, the update computes only scalars and the window's weights before its gradient.
+  early = [
+    line.strip()[:160]
+    for line, shape in schedule[:backward]
+    if "_microadam_update" in line and gpu_compile.shape_bytes(shape) >= 1024
+  ]
+  assert not early, "\n".join(early)
+
+
+@needs_plugin
 def test_rematerializing_every_layer_keeps_fewer_activations():
   tokens = jax.ShapeDtypeStruct((8, 129), jnp.int32)
   kept = {}
