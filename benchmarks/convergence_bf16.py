@@ -312,9 +312,10 @@ def main(argv=None) -> None:
     print(render(results, reference))
     return
   names = [convergence.BASE_OPTIMIZER] + [n for n in args.optimizers if n != convergence.BASE_OPTIMIZER]
-  todo = [
-    (c, s, d) for c in cases(reference, names) for s in SEEDS for d in draws(c) if (s, d) not in runs_of(results, c)
-  ]
+  todo = []
+  for case in cases(reference, names):
+    done = runs_of(results, case)
+    todo += [(case, s, d) for s in SEEDS for d in draws(case) if (s, d) not in done]
   print(estimate(results, todo), flush=True)
   if args.estimate or not todo:
     return
