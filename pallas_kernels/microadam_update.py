@@ -321,13 +321,13 @@ WINDOW_ENTRIES_AT_ONCE = 1 << 18
 def _zeros_after(local: jax.Array, n_blocks: int) -> jax.Array:
   """int32 zeros, one per block, computed from the ring's block-local indices (all ``>= 0``): XLA cannot fold them.
 
-  The compacted directions and the bitmap are filled with them. Built from
-  constants alone (or left uninitialized), nothing orders their creation
-  after the step's data: in a whole training step compiled for an H100, XLA
-  created every tensor's at the start of the step, and all of them (1.7 GB
-  on Llama-3-8B) were live at the step's peak, in the backward pass, before
-  any gradient existed. One zero per block, read from the block's own
-  columns, keeps a sharded ring's blocks on their devices.
+  The compacted directions and the bitmap are filled with them, so that
+  their creation waits for the tensor's ring. Built from constants alone (or
+  left uninitialized) they depend on nothing, and XLA:GPU makes them with a
+  training step's arguments, before the forward pass, holding every
+  tensor's through the backward pass (``docs/performance-notes.md``,
+  "MicroAdam's step on a GPU"). One zero per block, read from the block's
+  own columns, keeps a sharded ring's blocks on their devices.
   """
   return jnp.minimum(local[0, :: local.shape[1] // n_blocks].astype(jnp.int32), 0)
 
